@@ -1,0 +1,169 @@
+"""Test environments. Importable by reference, so they work under spawn and forkserver."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch.utils.data import DataLoader, Dataset
+from torchrl.data import Bounded, Composite, Unbounded
+from torchrl.envs import EnvBase
+
+OBS = 4
+
+
+class EpisodeDataset(Dataset):  # type: ignore[type-arg]
+    """Episode ``i`` is ``arange(OBS) + 100 * i``: values the tests can check."""
+
+    def __init__(self, n: int = 8) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.arange(OBS, dtype=torch.float32) + 100.0 * i
+
+
+class ToyEnv(EnvBase):
+    """A small env whose reset may use a DataLoader or start subprocesses.
+
+    loader: "none" | "per_reset" (a new DataLoader(num_workers=2) per reset, the discussion's
+    literal pattern) | "persistent" (one DataLoader with persistent workers).
+    """
+
+    def __init__(
+        self,
+        loader: str = "none",
+        dl_workers: int = 2,
+        dl_context: str | None = None,
+        subprocess_kind: str | None = None,
+        step_sleep: float = 0.0,
+        raise_in: str | None = None,
+        ignore_sigterm: bool = False,
+        block_close: bool = False,
+        pid_dir: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(batch_size=torch.Size([]), **kwargs)
+        if raise_in == "init":
+            raise ValueError("boom in __init__")
+        self.loader_kind = loader
+        self.dl_workers = dl_workers
+        self.dl_context = dl_context
+        self.step_sleep = step_sleep
+        self.raise_in = raise_in
+        self.block_close = block_close
+        self.pid_dir = pid_dir
+        self._iter: Any = None
+        self._loader: Any = None
+        self._episode = 0
+        self._t = 0
+        self._current = torch.zeros(OBS)
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self.observation_spec = Composite(observation=Unbounded(shape=(OBS,)))
+        self.action_spec = Bounded(-1.0, 1.0, shape=(1,))
+        self.reward_spec = Unbounded(shape=(1,))
+        if ignore_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if subprocess_kind is not None and self._in_worker():
+            self._start_subprocess(subprocess_kind)
+
+    def _in_worker(self) -> bool:
+        return os.environ.get("TORCHRL_EXT_OWNER") is not None
+
+    def _start_subprocess(self, kind: str) -> None:
+        cmd = [sys.executable, "-c", "import time\nwhile True: time.sleep(1)"]
+        proc = subprocess.Popen(cmd, start_new_session=(kind == "setsid"))
+        self._procs.append(proc)
+        self._record("sim", proc.pid)
+
+    def _record(self, what: str, pid: int) -> None:
+        if self.pid_dir:
+            with open(os.path.join(self.pid_dir, f"{what}-{os.getpid()}-{pid}"), "w") as fh:
+                fh.write(str(pid))
+
+    def _next_episode(self) -> torch.Tensor:
+        if self.loader_kind == "none":
+            return EpisodeDataset()[self._episode % 8]
+        if self.loader_kind == "per_reset":
+            loader = DataLoader(
+                EpisodeDataset(),
+                batch_size=None,
+                num_workers=self.dl_workers,
+                sampler=[self._episode % 8],
+                multiprocessing_context=self.dl_context,
+            )
+            episode = next(iter(loader))
+            return episode
+        if self._iter is None:
+            self._loader = DataLoader(
+                EpisodeDataset(),
+                batch_size=None,
+                num_workers=self.dl_workers,
+                persistent_workers=True,
+                multiprocessing_context=self.dl_context,
+            )
+            self._iter = iter(self._loader)
+            if self.pid_dir:
+                for w in getattr(self._iter, "_workers", []):
+                    self._record("dl", w.pid)
+        try:
+            return next(self._iter)
+        except StopIteration:
+            self._iter = iter(self._loader)
+            return next(self._iter)
+
+    def _reset(self, tensordict: TensorDict | None = None, **kwargs: Any) -> TensorDict:
+        if self.raise_in == "reset":
+            raise KeyError("boom in reset")
+        self._current = self._next_episode().clone()
+        self._episode += 1
+        self._t = 0
+        return TensorDict(
+            {"observation": self._current.clone(), "done": torch.zeros(1, dtype=torch.bool),
+             "terminated": torch.zeros(1, dtype=torch.bool)},
+            batch_size=[],
+        )
+
+    def _step(self, tensordict: TensorDict) -> TensorDict:
+        if self.raise_in == "step":
+            raise ZeroDivisionError("boom in step")
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
+        self._t += 1
+        done = torch.tensor([self._t >= 5])
+        return TensorDict(
+            {
+                "observation": self._current + self._t,
+                "reward": torch.ones(1),
+                "done": done,
+                "terminated": done.clone(),
+            },
+            batch_size=[],
+        )
+
+    def _set_seed(self, seed: int | None) -> None:
+        self._episode = int(seed or 0) % 8
+
+    def close(self, *args: Any, **kwargs: Any) -> None:
+        if self.block_close and self._in_worker():
+            while True:
+                time.sleep(1)
+        for proc in self._procs:
+            proc.terminate()
+            proc.wait()
+        self._procs = []
+        self._iter = None
+        self._loader = None
+        super().close(*args, **kwargs)
+
+
+def make_env(**kwargs: Any) -> ToyEnv:
+    return ToyEnv(**kwargs)

@@ -1,0 +1,42 @@
+"""torchrl-ext: supervised, leak-free multi-process TorchRL environments.
+
+``ManagedParallelEnv`` is a drop-in ``torchrl.envs.ParallelEnv`` whose workers may have
+children (``daemon_workers=False``) and whose whole process tree is supervised.
+
+Example:
+    >>> from torchrl_ext import ManagedParallelEnv as ParallelEnv  # the only change
+    >>> ParallelEnv.__mro__[1].__name__
+    'ParallelEnv'
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ._env import ManagedParallelEnv
+from ._errors import (
+    DaemonicParentError,
+    DaemonicWorkerError,
+    RemoteTraceback,
+    WorkerDiedError,
+    WorkerEnvError,
+    format_exitcode,
+)
+from ._supervisor import SupervisionReport, WorkerOutcome
+
+__all__ = [
+    "DaemonicParentError",
+    "DaemonicWorkerError",
+    "ManagedParallelEnv",
+    "RemoteTraceback",
+    "SupervisionReport",
+    "WorkerDiedError",
+    "WorkerEnvError",
+    "WorkerOutcome",
+    "__version__",
+    "format_exitcode",
+]
+
+__version__ = "0.1.0"
+
+logging.getLogger("torchrl_ext").addHandler(logging.NullHandler())

@@ -1,0 +1,353 @@
+"""``ManagedParallelEnv``: TorchRL's ``ParallelEnv`` whose workers may have children.
+
+This module holds no OS calls: process state lives in ``_supervisor``, the in-worker set-up in
+``_worker``, process-wide hooks in ``_lifecycle``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import psutil
+from torchrl.envs import EnvBase, ParallelEnv
+
+from . import _lifecycle, _lifeline, _platform
+from ._compat import HAS_DAEMON_KWARG, HAS_SHUTDOWN_TIMEOUT_KWARG, managed_worker_targets
+from ._errors import DaemonicParentError, WorkerDiedError
+from ._supervisor import SupervisionReport, WorkerSupervisor
+from ._tag import new_env_tag
+from ._worker import WorkerBootstrap, WorkerConfig
+
+__all__ = ["ManagedParallelEnv"]
+
+log = logging.getLogger("torchrl_ext")
+
+DEFAULT_SHUTDOWN_TIMEOUT = 5.0
+
+
+class _ManagedState:
+    """Our per-env state, kept in one ``__dict__`` entry (see the ``__getattr__`` trap)."""
+
+    def __init__(self, daemon_workers: bool, shutdown_timeout: float, handle_signals: bool, reap_orphans: bool):
+        self.daemon_workers = daemon_workers
+        self.shutdown_timeout = shutdown_timeout
+        self.handle_signals = handle_signals
+        self.reap_orphans = reap_orphans
+        self.supervisor: WorkerSupervisor | None = None
+        self.report: SupervisionReport | None = None
+        self.closing = False
+        self.close_reason = "close"
+        self.worker_pids: list[int] = []
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _ManagedState,
+            (self.daemon_workers, self.shutdown_timeout, self.handle_signals, self.reap_orphans),
+        )
+
+
+def _resolve_daemon(daemon_workers: bool | None, daemon: bool | None) -> bool:
+    if daemon_workers is not None and daemon is not None and bool(daemon_workers) != bool(daemon):
+        raise ValueError(
+            f"daemon_workers={daemon_workers!r} and daemon={daemon!r} disagree; `daemon` is an alias "
+            "of `daemon_workers`: pass only one (daemon_workers=False lets workers have children)."
+        )
+    if daemon_workers is not None:
+        return bool(daemon_workers)
+    if daemon is not None:
+        return bool(daemon)
+    return True
+
+
+def _looks_like_worker_loss(err: BaseException) -> bool:
+    if isinstance(err, EOFError | BrokenPipeError | ConnectionError):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError | OSError | IndexError | ValueError) and (
+        "dead" in text or "process failed" in text or "closed" in text or "out of range" in text
+    )
+
+
+class ManagedParallelEnv(ParallelEnv):
+    """A drop-in ``torchrl.envs.ParallelEnv`` that supervises its whole process tree.
+
+    With ``daemon_workers=False`` the workers may start children (a ``DataLoader`` with
+    ``num_workers > 0``, a simulator subprocess). Each worker runs in its own process group;
+    every worker and descendant is recorded, and nothing is left behind however the program
+    ends: ``close()`` is bounded by ``shutdown_timeout``, open envs are closed at interpreter
+    exit and on SIGTERM/SIGINT/SIGHUP, a worker death raises :class:`WorkerDiedError` and kills
+    that worker's tree, and an external reaper kills everything if the main process dies.
+
+    Args:
+        num_workers: number of worker processes.
+        create_env_fn: env factory (or one per worker), as for ``ParallelEnv``.
+        daemon_workers: ``True`` (default) keeps TorchRL's daemonic workers, which cannot have
+            children; ``False`` lets them have children, supervised by this class.
+        daemon: alias of ``daemon_workers`` (TorchRL >= 0.11 spelling); conflicting values raise.
+        shutdown_timeout: seconds ``close()`` may take at most before everything is killed.
+        handle_signals: install chained SIGTERM/SIGINT/SIGHUP handlers (main thread only).
+        reap_orphans: on Linux, make this process a child subreaper so that the children of a
+            worker that died are re-parented here and reaped, even where PID 1 does not reap.
+        **kwargs: everything ``torchrl.envs.ParallelEnv`` accepts.
+
+    Example:
+        >>> from torchrl.envs import GymEnv  # doctest: +SKIP
+        >>> env = ManagedParallelEnv(2, lambda: GymEnv("Pendulum-v1"), daemon_workers=False)  # doctest: +SKIP
+        >>> td = env.rollout(10)  # doctest: +SKIP
+        >>> env.close()  # doctest: +SKIP
+        >>> env.supervision_report.clean  # doctest: +SKIP
+        True
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        create_env_fn: Callable[..., EnvBase] | Sequence[Callable[..., EnvBase]],
+        *,
+        daemon_workers: bool | None = None,
+        daemon: bool | None = None,
+        shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+        handle_signals: bool = True,
+        reap_orphans: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if shutdown_timeout <= 0:
+            raise ValueError(f"shutdown_timeout must be positive, got {shutdown_timeout!r}")
+        resolved = _resolve_daemon(daemon_workers, daemon)
+        self.__dict__["_trx"] = _ManagedState(resolved, float(shutdown_timeout), handle_signals, reap_orphans)
+        if HAS_DAEMON_KWARG:
+            kwargs["daemon"] = resolved
+        if HAS_SHUTDOWN_TIMEOUT_KWARG:
+            kwargs["shutdown_timeout"] = float(shutdown_timeout)
+        super().__init__(num_workers, create_env_fn, **kwargs)
+
+    # ------------------------------------------------------------------ public extras
+    @property
+    def daemon_workers(self) -> bool:
+        """Whether workers are daemonic (and so may not have children)."""
+        return bool(self.__dict__["_trx"].daemon_workers)
+
+    @property
+    def shutdown_timeout(self) -> float:
+        """Upper bound, in seconds, of ``close()``."""
+        return float(self.__dict__["_trx"].shutdown_timeout)
+
+    @shutdown_timeout.setter
+    def shutdown_timeout(self, value: float) -> None:
+        # TorchRL >= 0.13 assigns this attribute in its own __init__.
+        state = self.__dict__.get("_trx")
+        if state is not None:
+            state.shutdown_timeout = float(value)
+
+    @property
+    def supervision_report(self) -> SupervisionReport | None:
+        """What the last ``close()`` had to do, per worker (``None`` before the first close)."""
+        return self.__dict__["_trx"].report  # type: ignore[no-any-return]
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Pids of the current (or last) workers."""
+        return list(self.__dict__["_trx"].worker_pids)
+
+    # ------------------------------------------------------------------ start
+    def _start_workers(self) -> None:
+        state: _ManagedState = self.__dict__["_trx"]
+        current = multiprocessing.current_process()
+        if current.daemon:
+            raise DaemonicParentError(current.name)
+        if state.reap_orphans and not _platform.is_child_subreaper():
+            _platform.set_child_subreaper(True)
+        tag = new_env_tag()
+        label = f"ManagedParallelEnv[{tag.env_id}]"
+        supervisor = WorkerSupervisor(tag, state.shutdown_timeout, label)
+        fifo = _lifeline.acquire()
+        start_method = self._mp_start_method or multiprocessing.get_start_method(allow_none=True) or "spawn"
+        try:
+            from torchrl._utils import _get_default_mp_start_method
+
+            start_method = self._mp_start_method or _get_default_mp_start_method()
+        except ImportError:
+            pass
+        arm_pdeathsig = start_method == "forkserver" or threading.current_thread() is threading.main_thread()
+        me = psutil.Process()
+        owner_ctime = me.create_time()
+        user_fns = self.create_env_fn
+        self.create_env_fn = [
+            WorkerBootstrap(
+                fn,
+                WorkerConfig(
+                    index=i,
+                    tag=str(tag),
+                    daemon_workers=state.daemon_workers,
+                    arm_pdeathsig=arm_pdeathsig,
+                    owner_pid=os.getpid(),
+                    owner_create_time=owner_ctime,
+                    report_path=supervisor.report_path(i),
+                    reaper_fifo=fifo,
+                ),
+            )
+            for i, fn in enumerate(user_fns)
+        ]
+        _lifecycle.register(self, state.handle_signals)
+        try:
+            with managed_worker_targets():
+                super()._start_workers()
+        except BaseException as err:
+            failure = self._abort_start(supervisor, err)
+            if failure is None:
+                raise
+            _raise_failure(failure)
+        finally:
+            self.create_env_fn = user_fns
+        self.parent_channels = supervisor.attach(self._workers, self.parent_channels)
+        state.worker_pids = [p.pid for p in self._workers]
+        state.supervisor = supervisor
+        log.debug("%s started %d workers: %s", label, len(self._workers), state.worker_pids)
+
+    def _cleanup_failed_worker_startup(self) -> None:
+        """TorchRL >= 0.14 calls this on a failed start; :meth:`_abort_start` does it instead."""
+
+    def _abort_start(self, supervisor: WorkerSupervisor, err: BaseException) -> BaseException | None:
+        workers = list(self.__dict__.get("_workers") or [])
+        channels = list(self.__dict__.get("parent_channels") or [])
+        failure: BaseException | None = None
+        try:
+            if workers:
+                supervisor.attach(workers, channels[: len(workers)])
+                if not isinstance(err, KeyboardInterrupt | SystemExit):
+                    supervisor.wait_for_failure(1.0)
+                    failure = supervisor.startup_failure()
+            supervisor.shutdown("start-up failure", timeout=min(self.shutdown_timeout, 3.0))
+        finally:
+            supervisor.stop()
+            for channel in channels:
+                with contextlib.suppress(Exception):
+                    channel.close()
+            self._workers = []
+            self.parent_channels = []
+            self.is_closed = True
+            _lifecycle.unregister(self)
+            _lifeline.release()
+        return failure
+
+    # ------------------------------------------------------------------ failures
+    @contextlib.contextmanager
+    def _supervised(self) -> Iterator[None]:
+        state: _ManagedState = self.__dict__["_trx"]
+        supervisor = state.supervisor
+        if supervisor is not None:
+            try:
+                supervisor.raise_if_failed()
+            except BaseException as failure:
+                _raise_failure(failure)
+        try:
+            yield
+        except Exception as err:
+            supervisor = state.supervisor or supervisor
+            if supervisor is None:
+                raise
+            failure = supervisor.first_failure
+            if failure is None and _looks_like_worker_loss(err):
+                failure = supervisor.wait_for_failure(1.0)
+            if failure is None:
+                raise
+            _raise_failure(failure)
+
+    def _reset(self, tensordict: Any, **kwargs: Any) -> Any:
+        with self._supervised():
+            return super()._reset(tensordict, **kwargs)
+
+    def _step(self, tensordict: Any) -> Any:
+        with self._supervised():
+            return super()._step(tensordict)
+
+    def step_and_maybe_reset(self, tensordict: Any) -> Any:
+        with self._supervised():
+            return super().step_and_maybe_reset(tensordict)
+
+    def set_seed(self, seed: int | None = None, static_seed: bool = False) -> int | None:
+        with self._supervised():
+            return super().set_seed(seed, static_seed)  # type: ignore[no-any-return]
+
+    def state_dict(self) -> Any:
+        with self._supervised():
+            return super().state_dict()
+
+    def load_state_dict(self, state_dict: Any, **kwargs: Any) -> None:
+        with self._supervised():
+            super().load_state_dict(state_dict, **kwargs)
+
+    # ------------------------------------------------------------------ close
+    def _shutdown_workers(self) -> None:
+        state: _ManagedState = self.__dict__["_trx"]
+        supervisor = state.supervisor
+        if supervisor is None:
+            return
+        if supervisor.failed and not state.closing:
+            # TorchRL's wait loop calls this right after it sees a dead worker. The dead tree is
+            # already gone; the survivors are closed by the user's close().
+            return
+        state.supervisor = None
+        try:
+            state.report = supervisor.shutdown(state.close_reason)
+        finally:
+            for channel in self.__dict__.get("parent_channels") or []:
+                with contextlib.suppress(Exception):
+                    channel.close()
+            if self.__dict__.get("_use_buffers"):
+                self.__dict__.pop("shared_tensordicts", None)
+                self.__dict__.pop("shared_tensordict_parent", None)
+            # Empty lists, not deleted attributes: ParallelEnv.__getattr__ restarts workers.
+            self._workers = []
+            self.parent_channels = []
+            self._cuda_events = None
+            self._events = None
+            self.event = None
+            _lifecycle.unregister(self)
+            _lifeline.release()
+        log.debug("%s", state.report)
+
+    def close(self, *, raise_if_closed: bool = False) -> None:
+        """Close the workers within ``shutdown_timeout``; idempotent, never fails after a death.
+
+        The report of what it took is in :attr:`supervision_report`.
+        """
+        state: _ManagedState = self.__dict__["_trx"]
+        if state.closing:
+            return
+        if self.is_closed:
+            if raise_if_closed:
+                raise RuntimeError("trying to close a closed environment")
+            return
+        state.closing = True
+        try:
+            super().close(raise_if_closed=False)
+        finally:
+            if state.supervisor is not None:  # super().close() failed before reaching us
+                self._shutdown_workers()
+            state.closing = False
+            state.close_reason = "close"
+            self.is_closed = True
+
+    def _close_for(self, reason: str) -> None:
+        self.__dict__["_trx"].close_reason = reason
+        self.close()
+
+    def __del__(self) -> None:
+        state = self.__dict__.get("_trx")
+        if state is not None and state.supervisor is not None and not self.__dict__.get("is_closed", True):
+            with contextlib.suppress(Exception):
+                self._close_for("garbage collection")
+
+
+def _raise_failure(failure: BaseException) -> None:
+    if isinstance(failure, WorkerDiedError) or failure.__cause__ is None:
+        raise failure from None
+    failure.__suppress_context__ = True
+    raise failure

@@ -1,0 +1,181 @@
+"""Exceptions raised by torchrl-ext. Each subclasses what TorchRL users already catch.
+
+See ``docs/troubleshooting.md`` for every error's cause and fix.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+from ._platform import signal_name
+
+__all__ = [
+    "DaemonicParentError",
+    "DaemonicWorkerError",
+    "RemoteTraceback",
+    "WorkerDiedError",
+    "WorkerEnvError",
+    "format_exitcode",
+    "hint_for_exitcode",
+]
+
+_SIGNAL_HINTS = {
+    signal.SIGKILL: "SIGKILL usually means the kernel's out-of-memory killer ended the worker "
+    "(check `dmesg` / the container's memory limit); lower `num_workers`, the DataLoader's "
+    "`num_workers`/`prefetch_factor`, or the size of what each episode keeps in memory.",
+    signal.SIGBUS: "SIGBUS usually means shared memory ran out: /dev/shm is too small "
+    "(Docker: `--shm-size=8g`); or use fewer workers.",
+    signal.SIGSEGV: "SIGSEGV is a native crash inside the environment or a library it calls; "
+    "run the env in the main process (`SerialEnv`) with `python -X faulthandler` to see where.",
+    signal.SIGABRT: "SIGABRT means native code in the environment aborted (failed assertion or "
+    "C++ exception); its stderr above usually says why.",
+    signal.SIGTERM: "SIGTERM came from outside this library (a scheduler, `kill`, a container "
+    "stop); nothing to fix in the environment.",
+}
+
+
+def format_exitcode(exitcode: int | None) -> str:
+    """Render an exit code the way users read it: ``-9`` -> ``"SIGKILL(-9)"``, ``3`` -> ``"3"``.
+
+    >>> format_exitcode(-9)
+    'SIGKILL(-9)'
+    """
+    if exitcode is None:
+        return "unknown"
+    if exitcode < 0:
+        return f"{signal_name(-exitcode)}({exitcode})"
+    return str(exitcode)
+
+
+def hint_for_exitcode(exitcode: int | None) -> str:
+    """A one-line hint about what an exit code usually means."""
+    if exitcode is not None and exitcode < 0:
+        hint = _SIGNAL_HINTS.get(signal.Signals(-exitcode) if -exitcode in signal.valid_signals() else -1)
+        if hint:
+            return hint
+        return f"the worker was ended by {signal_name(-exitcode)}."
+    if exitcode == 0:
+        return "the worker exited by itself without being asked to (an `os._exit`/`sys.exit` in the env?)."
+    return (
+        "the worker exited with an error; its stderr above shows the traceback. A worker that "
+        "ends without a traceback may have called `os._exit`."
+    )
+
+
+class RemoteTraceback(Exception):
+    """Carries the formatted traceback of an exception raised inside a worker process.
+
+    Attached as ``__cause__`` of the exception re-raised in the main process.
+    """
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.tb}"""'
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process of a :class:`~torchrl_ext.ManagedParallelEnv` died.
+
+    Raised by the pending or next ``step``/``reset``/``rollout`` after a worker was killed
+    (SIGKILL, segfault, ``os._exit``, out of memory). The dead worker's whole process tree has
+    already been killed and reaped; the surviving workers are still there, so call
+    ``env.close()`` and build a new env.
+
+    Example:
+        >>> err = WorkerDiedError(worker_index=1, pid=4242, exitcode=-9, last_command="step")
+        >>> "SIGKILL(-9)" in str(err)
+        True
+    """
+
+    def __init__(
+        self,
+        worker_index: int,
+        pid: int | None,
+        exitcode: int | None,
+        last_command: str | None = None,
+        detail: str | None = None,
+    ) -> None:
+        self.worker_index = worker_index
+        self.pid = pid
+        self.exitcode = exitcode
+        self.last_command = last_command
+        self.detail = detail
+        self.hint = hint_for_exitcode(exitcode)
+        message = (
+            f"ManagedParallelEnv worker {worker_index} (pid {pid}) died with exit code "
+            f"{format_exitcode(exitcode)} while handling {last_command or 'no command'!r}. "
+            f"Hint: {self.hint} Its process tree was killed and reaped; call env.close() and "
+            "create a new environment."
+        )
+        if detail:
+            message += f" ({detail})"
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            type(self),
+            (self.worker_index, self.pid, self.exitcode, self.last_command, self.detail),
+        )
+
+
+class WorkerEnvError(RuntimeError):
+    """An exception raised by the env in a worker whose type could not be rebuilt here.
+
+    Exceptions that pickle are re-raised with their own type instead; this class carries the
+    original type name and the worker's traceback when that is impossible.
+    """
+
+    def __init__(self, worker_index: int, pid: int | None, type_name: str, message: str) -> None:
+        self.worker_index = worker_index
+        self.pid = pid
+        self.type_name = type_name
+        super().__init__(f"worker {worker_index} (pid {pid}) raised {type_name}: {message}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        message = str(self).split(": ", 1)[-1]
+        return (type(self), (self.worker_index, self.pid, self.type_name, message))
+
+
+class DaemonicWorkerError(AssertionError):
+    """A daemonic env worker tried to start a child process.
+
+    Subclasses ``AssertionError``, the error Python raises for the same thing, so existing
+    ``except`` clauses keep working.
+    """
+
+    def __init__(self, what: str = "a child process") -> None:
+        super().__init__(
+            f"this ParallelEnv worker is daemonic and tried to start {what} (for example a "
+            "DataLoader with num_workers > 0); daemonic processes are not allowed to have "
+            "children. Fix: create the env with "
+            "`torchrl_ext.ManagedParallelEnv(..., daemon_workers=False)`, which supervises the "
+            "workers' children, or use num_workers=0 / torchrl_ext.data.ThreadPrefetcher."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), ())
+
+
+class DaemonicParentError(RuntimeError):
+    """A ManagedParallelEnv was started from inside a daemonic process.
+
+    Such a process cannot have children at all, so no worker could start. This happens when a
+    TorchRL component that uses daemonic processes builds the env (for example the env workers
+    of an async batched collector, or an upstream ParallelEnv with ``daemon=True``).
+    """
+
+    def __init__(self, process_name: str) -> None:
+        super().__init__(
+            f"cannot start ManagedParallelEnv workers from the daemonic process {process_name!r}: "
+            "daemonic processes are not allowed to have children. Build the env in the main "
+            "process or in a non-daemonic one: MultiSyncCollector/MultiAsyncCollector workers are "
+            "non-daemonic, and an outer torchrl_ext.ManagedParallelEnv needs daemon_workers=False."
+        )
+        self.process_name = process_name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.process_name,))

@@ -1,0 +1,148 @@
+"""Process-wide lifecycle: the registry of open managed envs, the atexit hook, signal handlers.
+
+NOTE [shutdown order]
+---------------------
+Every way a program ends funnels into ``ManagedParallelEnv.close()`` -> the supervisor's bounded
+shutdown, in this order:
+
+1. ``close()`` called by the user (or ``__del__``, or a ``with`` block).
+2. ``atexit``: our hook is registered after ``multiprocessing.util`` registered its own, and
+   atexit runs last-in-first-out, so open envs are closed *before* multiprocessing joins its
+   non-daemonic children (which would otherwise wait on our workers forever).
+3. SIGTERM / SIGINT / SIGHUP in the main thread: the handler closes every open env, restores the
+   previous handlers, then behaves as the previous handler would: re-raise the default action
+   (the process dies by that signal), raise ``KeyboardInterrupt``, or call the user's handler.
+   Signals that were ignored stay ignored; a second signal during the handler skips the close.
+4. The main process dies without running Python code (SIGKILL, OOM killer, native crash): the
+   external reaper (``_reaper.py``) sees the owner's pidfd become readable and SIGKILLs every
+   recorded worker, group member, snapshot descendant and tagged process; workers armed with
+   ``PR_SET_PDEATHSIG`` die by themselves at the same moment.
+
+Inside the supervisor's shutdown, one deadline (``shutdown_timeout``) bounds: the "close"
+message (70% of it), SIGTERM to each worker's process group (until 90%), SIGKILL, then a sweep
+of every recorded descendant, group member and tagged process, then reaping by pid.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing.util  # noqa: F401  (its atexit hook must be registered before ours)
+import os
+import signal
+import threading
+import weakref
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, Protocol
+
+__all__ = ["close_all", "live_envs", "register", "unregister"]
+
+log = logging.getLogger("torchrl_ext")
+
+HANDLED_SIGNALS: tuple[signal.Signals, ...] = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name)
+)
+
+
+class _Closable(Protocol):
+    def _close_for(self, reason: str) -> None: ...
+
+
+_lock = threading.RLock()
+_live: dict[int, tuple[weakref.ref[Any], bool]] = {}
+_atexit_installed = False
+_previous_handlers: dict[int, Any] = {}
+_in_handler = False
+
+
+def register(env: _Closable, handle_signals: bool) -> None:
+    """Track an env that just started its workers."""
+    global _atexit_installed
+    with _lock:
+        _live[id(env)] = (weakref.ref(env), handle_signals)
+        if not _atexit_installed:
+            atexit.register(_at_exit)
+            _atexit_installed = True
+        if handle_signals:
+            _install_signal_handlers()
+
+
+def unregister(env: _Closable) -> None:
+    """Forget an env that closed; the last signal-handling env restores the handlers."""
+    with _lock:
+        _live.pop(id(env), None)
+        if not any(handles for _ref, handles in _live.values()):
+            _restore_signal_handlers()
+
+
+def live_envs() -> list[_Closable]:
+    """Open envs, most recently started last."""
+    with _lock:
+        envs = [ref() for ref, _handles in _live.values()]
+    return [env for env in envs if env is not None]
+
+
+def close_all(reason: str) -> None:
+    """Close every open managed env, newest first. Never raises (logs instead)."""
+    for env in reversed(live_envs()):
+        try:
+            env._close_for(reason)
+        except Exception:
+            log.exception("closing %r on %s failed", env, reason)
+
+
+def _at_exit() -> None:
+    close_all("interpreter exit")
+
+
+# --------------------------------------------------------------------------- signals
+def _install_signal_handlers() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        log.debug("not installing signal handlers: envs started outside the main thread")
+        return
+    for sig in HANDLED_SIGNALS:
+        if sig in _previous_handlers:
+            continue
+        previous = signal.getsignal(sig)
+        if previous is signal.SIG_IGN:
+            continue  # ignored before us (nohup, background job): keep ignoring
+        signal.signal(sig, _handle_signal)
+        _previous_handlers[sig] = previous
+
+
+def _restore_signal_handlers() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return  # retried by the next unregister from the main thread
+    for sig, previous in list(_previous_handlers.items()):
+        if signal.getsignal(sig) is _handle_signal:
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        del _previous_handlers[sig]
+
+
+def _handle_signal(signum: int, frame: FrameType | None) -> None:
+    global _in_handler
+    previous = _previous_handlers.get(signum, signal.SIG_DFL)
+    if not _in_handler:
+        _in_handler = True
+        try:
+            name = signal.Signals(signum).name
+            log.info("%s received: closing %d managed env(s)", name, len(live_envs()))
+            close_all(name)
+        finally:
+            _in_handler = False
+    with _lock:
+        _restore_signal_handlers()
+    _chain(previous, signum, frame)
+
+
+def _chain(previous: Any, signum: int, frame: FrameType | None) -> None:
+    if callable(previous):
+        handler: Callable[[int, FrameType | None], Any] = previous
+        handler(signum, frame)
+        return
+    if previous is signal.SIG_IGN:
+        return
+    # SIG_DFL (or a handler installed outside Python): let the default action happen.
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)

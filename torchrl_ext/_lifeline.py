@@ -1,0 +1,145 @@
+"""Main-process side of the external reaper (see ``_reaper.py``).
+
+One reaper runs per owner process while at least one managed env is open; it is started on
+the first ``acquire()`` and asked to exit on the last ``release()``. Messages go through a
+FIFO that the main process also holds open, so a worker can report itself before the reaper
+has finished starting and nothing blocks if the reaper is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import psutil
+
+__all__ = ["acquire", "fifo_path", "notify_watch", "release", "send"]
+
+log = logging.getLogger("torchrl_ext")
+
+_REAPER_SCRIPT = Path(__file__).with_name("_reaper.py")
+_lock = threading.RLock()
+
+
+class _ReaperHandle:
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix=f"torchrl_ext-{os.getpid()}-")
+        self.fifo = os.path.join(self.dir, "reaper.fifo")
+        os.mkfifo(self.fifo, 0o600)
+        # Held open by us too: writes never fail while we live, and the reaper may start late.
+        self.fd = os.open(self.fifo, os.O_RDWR | os.O_NONBLOCK)
+        me = psutil.Process()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRL_EXT_")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", str(_REAPER_SCRIPT), str(me.pid), repr(me.create_time()), self.fifo],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
+            env=env,
+        )
+        self.pid = self.proc.pid
+
+    def send(self, message: dict[str, object]) -> None:
+        data = (json.dumps(message) + "\n").encode()
+        try:
+            os.write(self.fd, data)
+        except OSError as err:  # full pipe: the reaper is gone or stuck
+            log.debug("could not message the reaper: %s", err)
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self.send({"op": "exit"})
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("torchrl_ext reaper (pid %d) did not exit; killing it", self.proc.pid)
+            self.proc.kill()
+            self.proc.wait()
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_handle: _ReaperHandle | None = None
+_users = 0
+
+
+def _forget_in_child() -> None:
+    """A forked child must not talk to, or stop, its parent's reaper."""
+    global _handle, _users
+    if _handle is not None:
+        try:
+            os.close(_handle.fd)
+        except OSError:
+            pass
+    _handle = None
+    _users = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def acquire() -> str:
+    """Start the reaper if needed; returns the FIFO path workers report to."""
+    global _handle, _users
+    with _lock:
+        if _handle is None or _handle.proc.poll() is not None:
+            if _handle is not None:
+                log.warning("torchrl_ext reaper exited unexpectedly (code %s); restarting it", _handle.proc.returncode)
+                shutil.rmtree(_handle.dir, ignore_errors=True)
+            _handle = _ReaperHandle()
+        _users += 1
+        return _handle.fifo
+
+
+def release() -> None:
+    """Drop one user; the last one stops the reaper."""
+    global _handle, _users
+    with _lock:
+        if _handle is None:
+            return
+        _users -= 1
+        if _users <= 0:
+            handle, _handle, _users = _handle, None, 0
+            handle.stop()
+
+
+def send(message: dict[str, object]) -> None:
+    with _lock:
+        if _handle is not None:
+            _handle.send(message)
+
+
+def notify_watch(fifo: str, pid: int, ctime: float, pgid: int) -> None:
+    """Called inside a worker: report itself to the reaper. Never raises."""
+    data = (json.dumps({"op": "watch", "pid": pid, "ctime": ctime, "pgid": pgid}) + "\n").encode()
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return
+    try:
+        os.write(fd, data)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fifo_path() -> str | None:
+    with _lock:
+        return None if _handle is None else _handle.fifo
+
+
+def reaper_pid() -> int | None:
+    with _lock:
+        return None if _handle is None else _handle.pid

@@ -1,0 +1,205 @@
+"""The external reaper: a tiny process that outlives the main process by a few milliseconds.
+
+Run as a *script* (``python _reaper.py OWNER_PID OWNER_CTIME FIFO``) so it never imports torch
+or this package. The main process starts it in a session of its own while managed envs are
+open. Workers and the main process tell it, through a FIFO, which worker processes exist; it
+snapshots their process trees twice a second. When the owner process dies by any means
+(SIGKILL and the OOM killer included) it SIGKILLs, within milliseconds:
+
+* every worker it was told about (identity checked by pid and create time),
+* every member of those workers' process groups born after the worker,
+* every descendant it saw in a snapshot,
+* every process whose environment carries the owner's ``TORCHRL_EXT_OWNER`` tag,
+
+and repeats until a round finds nothing new. It exits when the owner closes the last env
+(``{"op": "exit"}``) or after the cleanup. See the NOTE in ``docs/design.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import sys
+import time
+
+import psutil
+
+SNAPSHOT_INTERVAL = 0.5
+OWNER_VAR = "TORCHRL_EXT_OWNER"
+
+log = logging.getLogger("torchrl_ext.reaper")
+
+
+class Reaper:
+    def __init__(self, owner_pid: int, owner_ctime: float, fifo_path: str) -> None:
+        self.owner_pid = owner_pid
+        self.owner_ctime = owner_ctime
+        self.fifo_fd = os.open(fifo_path, os.O_RDWR | os.O_NONBLOCK)
+        self.buffer = b""
+        self.workers: dict[int, tuple[float, int]] = {}  # pid -> (create_time, pgid)
+        self.seen: dict[tuple[int, float], psutil.Process] = {}
+        self.stop = False
+
+    # --- owner liveness -------------------------------------------------------------------
+    def owner_alive(self) -> bool:
+        try:
+            proc = psutil.Process(self.owner_pid)
+            return abs(proc.create_time() - self.owner_ctime) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    # --- messages -------------------------------------------------------------------------
+    def read_messages(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.fifo_fd, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        for line in lines:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            op = msg.get("op")
+            if op == "watch":
+                self.workers[int(msg["pid"])] = (float(msg["ctime"]), int(msg["pgid"]))
+            elif op == "unwatch":
+                pid = int(msg["pid"])
+                self.workers.pop(pid, None)
+                self.seen = {k: v for k, v in self.seen.items() if not _descends(v, pid)}
+            elif op == "exit":
+                self.stop = True
+
+    def snapshot(self) -> None:
+        for pid, (ctime, _pgid) in list(self.workers.items()):
+            try:
+                proc = psutil.Process(pid)
+                if abs(proc.create_time() - ctime) > 1e-3:
+                    continue
+                for child in proc.children(recursive=True):
+                    self.seen[(child.pid, child.create_time())] = child
+            except psutil.Error:
+                continue
+
+    # --- cleanup --------------------------------------------------------------------------
+    def targets(self) -> list[psutil.Process]:
+        found: dict[tuple[int, float], psutil.Process] = {}
+        me = os.getpid()
+        for pid, (ctime, pgid) in self.workers.items():
+            try:
+                proc = psutil.Process(pid)
+                if abs(proc.create_time() - ctime) < 1e-3:
+                    found[(pid, ctime)] = proc
+            except psutil.Error:
+                pass
+            del pgid
+        for key, proc in self.seen.items():
+            if proc.is_running():
+                found[key] = proc
+        groups = {pgid: ctime for ctime, pgid in self.workers.values()}
+        for proc in psutil.process_iter():
+            if proc.pid == me:
+                continue
+            try:
+                ctime = proc.create_time()
+                pgid = os.getpgid(proc.pid)
+                if pgid in groups and ctime + 0.01 >= groups[pgid]:
+                    found[(proc.pid, ctime)] = proc
+                    continue
+                value = proc.environ().get(OWNER_VAR, "")
+            except (psutil.Error, OSError):
+                continue
+            parts = value.split(":")
+            if len(parts) == 3 and parts[0] == str(self.owner_pid):
+                try:
+                    if abs(float(parts[1]) - self.owner_ctime) < 1e-3:
+                        found[(proc.pid, ctime)] = proc
+                except ValueError:
+                    continue
+        return [p for p in found.values() if _alive(p)]
+
+    def cleanup(self) -> int:
+        killed = 0
+        for _ in range(20):
+            procs = self.targets()
+            if not procs:
+                break
+            for proc in procs:
+                try:
+                    proc.kill()
+                    killed += 1
+                except psutil.Error:
+                    pass
+            psutil.wait_procs(procs, timeout=0.2)
+        return killed
+
+    # --- main loop ------------------------------------------------------------------------
+    def run(self) -> int:
+        pidfd = None
+        if hasattr(os, "pidfd_open"):
+            try:
+                pidfd = os.pidfd_open(self.owner_pid)
+            except OSError:
+                pidfd = None
+        poller = select.poll()
+        poller.register(self.fifo_fd, select.POLLIN)
+        if pidfd is not None:
+            poller.register(pidfd, select.POLLIN)
+        # Without a pidfd (macOS, old kernels) fall back to polling the owner.
+        interval = SNAPSHOT_INTERVAL if pidfd is not None else 0.05
+        last_snapshot = 0.0
+        while True:
+            if not self.owner_alive():
+                self.read_messages()
+                killed = self.cleanup()
+                if killed:
+                    log.warning(
+                        "torchrl_ext reaper: owner process %d died; killed %d leftover process(es)",
+                        self.owner_pid,
+                        killed,
+                    )
+                return 0
+            events = poller.poll(interval * 1000)
+            for fd, _ev in events:
+                if fd == self.fifo_fd:
+                    self.read_messages()
+            if self.stop:
+                return 0
+            now = time.monotonic()
+            if self.workers and now - last_snapshot >= SNAPSHOT_INTERVAL:
+                self.snapshot()
+                last_snapshot = now
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _descends(proc: psutil.Process, pid: int) -> bool:
+    try:
+        return any(parent.pid == pid for parent in proc.parents())
+    except psutil.Error:
+        return True
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    # Terminal signals are for the owner; the reaper ends with it, not before it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    owner_pid, owner_ctime, fifo_path = int(argv[1]), float(argv[2]), argv[3]
+    return Reaper(owner_pid, owner_ctime, fifo_path).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,454 @@
+"""The supervisor: owns the process state of one started ManagedParallelEnv.
+
+It records every worker (pid, create time, process group) and, twice a second, every
+descendant; a watcher thread waits on the workers' sentinels, so a death is seen when it
+happens rather than at the next poll. On a death it kills and reaps the dead worker's whole
+tree at once and keeps the failure, which the env raises on its pending or next call. Its
+:meth:`WorkerSupervisor.shutdown` is the bounded close sequence; see the NOTE "shutdown and
+failure order" in ``docs/design.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from . import _lifeline, _platform, _process_tree
+from ._errors import RemoteTraceback, WorkerDiedError, WorkerEnvError, format_exitcode
+from ._tag import Tag
+
+__all__ = ["SupervisionReport", "WorkerOutcome", "WorkerSupervisor"]
+
+log = logging.getLogger("torchrl_ext")
+
+SNAPSHOT_INTERVAL = 0.5
+
+
+@dataclass(frozen=True)
+class WorkerOutcome:
+    """How one worker ended.
+
+    ``outcome`` is one of ``"graceful"`` (exited after the close message), ``"terminated"``
+    (needed SIGTERM), ``"killed"`` (needed SIGKILL), ``"died"`` (was already dead: see
+    ``exitcode``) or ``"not started"``.
+    """
+
+    index: int
+    pid: int | None
+    outcome: str
+    exitcode: int | None
+    descendants_killed: int = 0
+
+
+@dataclass(frozen=True)
+class SupervisionReport:
+    """What closing an env took. ``env.supervision_report`` holds the last one.
+
+    Example:
+        >>> report = SupervisionReport(reason="close", duration=0.2, workers=(), leftovers_killed=0)
+        >>> report.clean
+        True
+    """
+
+    reason: str
+    duration: float
+    workers: tuple[WorkerOutcome, ...]
+    leftovers_killed: int = 0
+
+    @property
+    def clean(self) -> bool:
+        """Every worker closed gracefully and nothing had to be swept."""
+        return self.leftovers_killed == 0 and all(w.outcome == "graceful" for w in self.workers)
+
+    @property
+    def escalations(self) -> tuple[WorkerOutcome, ...]:
+        return tuple(w for w in self.workers if w.outcome in ("terminated", "killed"))
+
+    def __str__(self) -> str:
+        lines = [f"shutdown ({self.reason}) took {self.duration:.2f}s; leftovers killed: {self.leftovers_killed}"]
+        for w in self.workers:
+            extra = f", {w.descendants_killed} descendant(s) killed" if w.descendants_killed else ""
+            lines.append(
+                f"  worker {w.index} (pid {w.pid}): {w.outcome}, exit code {format_exitcode(w.exitcode)}{extra}"
+            )
+        return "\n".join(lines)
+
+
+class _ParentChannel:
+    """The parent's end of a worker pipe, remembering the last command sent."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self.last_command: str | None = None
+
+    def send(self, obj: Any) -> None:
+        if isinstance(obj, tuple) and obj and isinstance(obj[0], str):
+            self.last_command = obj[0]
+        self._conn.send(obj)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+@dataclass
+class _Worker:
+    index: int
+    process: Any  # multiprocessing.Process
+    pid: int
+    create_time: float
+    channel: _ParentChannel
+    descendants: dict[tuple[int, float], psutil.Process] = field(default_factory=dict)
+    failure: BaseException | None = None
+    exitcode: int | None = None
+    descendants_killed: int = 0
+    finished: bool = False
+
+    @property
+    def sentinel(self) -> int:
+        return int(self.process.sentinel)
+
+    def exited(self) -> bool:
+        try:
+            return self.process.exitcode is not None
+        except ValueError:  # multiprocessing.Process.close() was called
+            return True
+
+
+class WorkerSupervisor:
+    """Supervises the workers of one start of a ManagedParallelEnv."""
+
+    def __init__(self, tag: Tag, shutdown_timeout: float, label: str) -> None:
+        self.tag = tag
+        self.shutdown_timeout = shutdown_timeout
+        self.label = label
+        self.report_dir = tempfile.mkdtemp(prefix="torchrl_ext-reports-")
+        self._workers: list[_Worker] = []
+        self._lock = threading.RLock()
+        self._failure_seen = threading.Event()
+        self._closing = False
+        self._stopped = False
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread: threading.Thread | None = None
+        self.first_failure: BaseException | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def report_path(self, index: int) -> str:
+        return os.path.join(self.report_dir, f"worker-{index}.report")
+
+    def attach(self, processes: list[Any], channels: list[Any]) -> list[_ParentChannel]:
+        """Record started workers; returns channels that remember the last command."""
+        wrapped = []
+        with self._lock:
+            for index, (process, channel) in enumerate(zip(processes, channels, strict=True)):
+                recorder = channel if isinstance(channel, _ParentChannel) else _ParentChannel(channel)
+                wrapped.append(recorder)
+                try:
+                    ctime = psutil.Process(process.pid).create_time()
+                except psutil.Error:
+                    ctime = time.time()
+                self._workers.append(_Worker(index, process, process.pid, ctime, recorder))
+                _lifeline.send({"op": "watch", "pid": process.pid, "ctime": ctime, "pgid": process.pid})
+        self._snapshot()
+        self._thread = threading.Thread(target=self._watch, name=f"torchrl_ext-supervisor-{self.label}", daemon=True)
+        self._thread.start()
+        return wrapped
+
+    # ------------------------------------------------------------------ watching
+    def _watch(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopped:
+                    return
+                pending = {w.sentinel: w for w in self._workers if not w.finished}
+            ready = multiprocessing.connection.wait([*pending, self._wake_r], timeout=SNAPSHOT_INTERVAL)
+            for fd in ready:
+                if fd in pending:
+                    self._on_exit(pending[fd])  # type: ignore[index]
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        with self._lock:
+            live = [w for w in self._workers if not w.finished]
+        for worker in live:
+            for proc in _process_tree.descendants(worker.pid):
+                key = _process_tree.key_of(proc)
+                if key is not None:
+                    worker.descendants.setdefault(key, proc)
+
+    def poll(self) -> None:
+        """Synchronously notice workers that have exited (cheap: one select)."""
+        with self._lock:
+            pending = {w.sentinel: w for w in self._workers if not w.finished}
+        if not pending:
+            return
+        for fd in multiprocessing.connection.wait(list(pending), timeout=0):
+            self._on_exit(pending[fd])  # type: ignore[index]
+
+    def _on_exit(self, worker: _Worker) -> None:
+        with self._lock:
+            if worker.finished:
+                return
+            worker.finished = True
+            worker.exitcode = _exitcode(worker)
+            if self._closing:
+                return
+            worker.failure = self._failure_for(worker)
+            if self.first_failure is None:
+                self.first_failure = worker.failure
+        killed = self._kill_tree(worker, grace=0.0)
+        worker.descendants_killed = killed
+        log.warning(
+            "%s worker %d (pid %d) died with exit code %s; killed and reaped %d descendant process(es)",
+            self.label,
+            worker.index,
+            worker.pid,
+            format_exitcode(worker.exitcode),
+            killed,
+        )
+        self._failure_seen.set()
+
+    def _failure_for(self, worker: _Worker) -> BaseException:
+        report = _read_report(self.report_path(worker.index))
+        last_command = worker.channel.last_command
+        if report is None:
+            return WorkerDiedError(worker.index, worker.pid, worker.exitcode, last_command)
+        return _rebuild_exception(report, worker.index, worker.pid)
+
+    def _tree_of(self, worker: _Worker) -> list[psutil.Process]:
+        procs = list(worker.descendants.values())
+        procs += _process_tree.descendants(worker.pid)
+        procs += _process_tree.members_of_group(worker.pid, worker.create_time)
+        procs += _process_tree.tagged_processes(self.tag, env_id=self.tag.env_id, worker=str(worker.index))
+        return [p for p in procs if p.pid != worker.pid]
+
+    def _kill_tree(self, worker: _Worker, grace: float) -> int:
+        procs = self._tree_of(worker)
+        if grace <= 0:
+            alive = [p for p in procs if _running(p)]
+            for proc in alive:
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    pass
+            psutil.wait_procs(alive, timeout=2.0)
+            _process_tree.reap_if_child(procs)
+            return len(alive)
+        terminated, killed = _process_tree.kill_and_reap(procs, grace, what=f"{self.label} worker {worker.index} child")
+        return len(terminated) + len(killed)
+
+    def startup_failure(self) -> BaseException | None:
+        """The error that explains a failed start: the earliest env exception, else a death."""
+        reports = []
+        for worker in self._workers:
+            report = _read_report(self.report_path(worker.index))
+            if report is not None:
+                reports.append((float(report.get("time", 0.0)), worker.index, worker, report))
+        if reports:
+            _t, _i, worker, report = min(reports, key=lambda item: item[:2])
+            return _rebuild_exception(report, worker.index, worker.pid)
+        for worker in self._workers:
+            if worker.finished or self._exited(worker):
+                return WorkerDiedError(
+                    worker.index, worker.pid, _exitcode(worker), "start-up", detail="it died while starting"
+                )
+        return self.first_failure
+
+    # ------------------------------------------------------------------ failures
+    @property
+    def failed(self) -> bool:
+        return self.first_failure is not None
+
+    def raise_if_failed(self, poll: bool = True) -> None:
+        """Raise the first failure, if any worker has died (polls the sentinels first)."""
+        if poll and not self._failure_seen.is_set():
+            self.poll()
+        failure = self.first_failure
+        if failure is not None:
+            raise failure
+
+    def wait_for_failure(self, timeout: float) -> BaseException | None:
+        """Wait up to ``timeout`` seconds for a worker death to be noticed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.poll()
+            if self.first_failure is not None or time.monotonic() >= deadline:
+                return self.first_failure
+            self._failure_seen.wait(min(0.02, max(0.0, deadline - time.monotonic())))
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self, reason: str, timeout: float | None = None) -> SupervisionReport:
+        """Close the workers within one deadline: close message, SIGTERM, SIGKILL, sweep, reap."""
+        timeout = self.shutdown_timeout if timeout is None else timeout
+        t0 = time.monotonic()
+        with self._lock:
+            self._closing = True
+            workers = list(self._workers)
+        graceful_until = t0 + 0.7 * timeout
+        term_until = t0 + 0.9 * timeout
+        outcome: dict[int, str] = {}
+        for worker in workers:
+            if worker.finished or worker.exited():
+                outcome[worker.index] = "died" if worker.failure is not None or worker.finished else "graceful"
+                continue
+            try:
+                worker.channel.send(("close", None))
+            except (OSError, EOFError, ValueError):
+                pass
+        self._wait_exit(workers, graceful_until)
+        for worker in workers:
+            if worker.index not in outcome and self._exited(worker):
+                outcome[worker.index] = "graceful"
+        for sig, until, name in ((signal.SIGTERM, term_until, "terminated"), (signal.SIGKILL, None, "killed")):
+            pending = [w for w in workers if w.index not in outcome and not self._exited(w)]
+            if not pending:
+                break
+            for worker in pending:
+                log.warning(
+                    "%s worker %d (pid %d) did not exit within %.1fs of %s (%s); sending %s to its process group",
+                    self.label,
+                    worker.index,
+                    worker.pid,
+                    time.monotonic() - t0,
+                    "the close message" if sig == signal.SIGTERM else "SIGTERM",
+                    reason,
+                    _platform.signal_name(sig),
+                )
+                self._signal_worker(worker, sig)
+            self._wait_exit(pending, until if until is not None else time.monotonic() + 5.0)
+            for worker in pending:
+                if self._exited(worker):
+                    outcome[worker.index] = name
+        # Sweep: everything recorded, every group member, every tagged process of this env.
+        leftovers: list[psutil.Process] = []
+        for worker in workers:
+            leftovers += self._tree_of(worker)
+        leftovers += _process_tree.tagged_processes(self.tag, env_id=self.tag.env_id)
+        grace = max(0.1, min(0.5, t0 + timeout - time.monotonic()))
+        swept_t, swept_k = _process_tree.kill_and_reap(leftovers, grace, what=f"{self.label} leftover")
+        swept = len(swept_t) + len(swept_k)
+        if swept:
+            log.warning("%s: swept %d leftover process(es) after the workers exited", self.label, swept)
+        for worker in workers:
+            try:
+                worker.process.join(timeout=1.0)
+            except (ValueError, AssertionError):
+                pass
+            worker.exitcode = _exitcode(worker)
+            worker.finished = True
+            _lifeline.send({"op": "unwatch", "pid": worker.pid})
+        self.stop()
+        return SupervisionReport(
+            reason=reason,
+            duration=time.monotonic() - t0,
+            workers=tuple(
+                WorkerOutcome(w.index, w.pid, outcome.get(w.index, "killed"), w.exitcode, w.descendants_killed)
+                for w in workers
+            ),
+            leftovers_killed=swept,
+        )
+
+    def _exited(self, worker: _Worker) -> bool:
+        if worker.exited():
+            return True
+        try:
+            proc = psutil.Process(worker.pid)
+            return proc.status() == psutil.STATUS_ZOMBIE or abs(proc.create_time() - worker.create_time) > 1e-3
+        except psutil.Error:
+            return True
+
+    def _wait_exit(self, workers: list[_Worker], until: float) -> None:
+        while True:
+            pending = [w for w in workers if not self._exited(w)]
+            remaining = until - time.monotonic()
+            if not pending or remaining <= 0:
+                return
+            multiprocessing.connection.wait([w.sentinel for w in pending], timeout=min(remaining, 0.1))
+
+    def _signal_worker(self, worker: _Worker, sig: int) -> None:
+        try:
+            proc = psutil.Process(worker.pid)
+            leader_ok = abs(proc.create_time() - worker.create_time) < 1e-3
+        except psutil.Error:
+            return
+        if leader_ok and _platform.process_group_of(worker.pid) == worker.pid:
+            try:
+                _platform.kill_process_group(worker.pid, sig)
+                return
+            except (OSError, ValueError):
+                pass
+        try:
+            proc.send_signal(sig)
+        except psutil.Error:
+            pass
+
+    def stop(self) -> None:
+        """Stop the watcher thread and remove the report directory. Idempotent."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        shutil.rmtree(self.report_dir, ignore_errors=True)
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _exitcode(worker: _Worker) -> int | None:
+    try:
+        code = worker.process.exitcode
+    except ValueError:
+        return worker.exitcode
+    return code if code is not None else worker.exitcode
+
+
+def _read_report(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, "rb") as fh:
+            report = pickle.load(fh)
+    except (OSError, pickle.UnpicklingError, EOFError):
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def _rebuild_exception(report: dict[str, Any], index: int, pid: int) -> BaseException:
+    exc: BaseException | None = None
+    if report.get("exception") is not None:
+        try:
+            exc = pickle.loads(report["exception"])
+        except Exception:
+            exc = None
+    if not isinstance(exc, BaseException):
+        exc = WorkerEnvError(index, pid, report.get("type", "Exception"), report.get("message", ""))
+    exc.__cause__ = RemoteTraceback(report.get("traceback", ""))
+    last = report.get("last_command")
+    where = f"while handling {last!r}" if last else "while building the env"
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"Raised in ManagedParallelEnv worker {index} (pid {pid}) {where}.")
+    exc.worker_index = index  # type: ignore[attr-defined]
+    return exc

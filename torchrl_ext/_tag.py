@@ -1,0 +1,78 @@
+"""The inherited environment-variable tag that marks every process of a managed env.
+
+``TORCHRL_EXT_OWNER=<owner pid>:<owner create_time>:<env id>`` is set inside each worker
+before the user's env exists, so every process the env starts inherits it. The final sweep,
+the external reaper and ``python -m torchrl_ext sweep`` use it to find escapees (for example a
+simulator started with ``start_new_session=True``).
+
+Caveat: ``/proc/<pid>/environ`` shows the environment a process had at its last ``exec``. A
+descendant that was *forked* without exec (a fork-context DataLoader worker) shows its
+parent's exec-time environment; those are found through their process group and the
+recorded process tree instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+import psutil
+
+__all__ = ["OWNER_VAR", "WORKER_VAR", "Tag", "new_env_tag", "read_tag"]
+
+OWNER_VAR = "TORCHRL_EXT_OWNER"
+WORKER_VAR = "TORCHRL_EXT_WORKER"
+
+_env_counter = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Tag:
+    """A parsed ``TORCHRL_EXT_OWNER`` value."""
+
+    owner_pid: int
+    owner_create_time: float
+    env_id: str
+
+    def __str__(self) -> str:
+        return f"{self.owner_pid}:{self.owner_create_time:.6f}:{self.env_id}"
+
+    @classmethod
+    def parse(cls, value: str) -> Tag | None:
+        parts = value.split(":")
+        if len(parts) != 3:
+            return None
+        try:
+            return cls(int(parts[0]), float(parts[1]), parts[2])
+        except ValueError:
+            return None
+
+    def same_owner(self, other: Tag) -> bool:
+        return self.owner_pid == other.owner_pid and abs(self.owner_create_time - other.owner_create_time) < 1e-3
+
+    def owner_alive(self) -> bool:
+        """Whether the owning process still exists (a reused pid does not count)."""
+        try:
+            proc = psutil.Process(self.owner_pid)
+            return abs(proc.create_time() - self.owner_create_time) < 1e-3
+        except psutil.Error:
+            return False
+
+
+def new_env_tag() -> Tag:
+    """A fresh tag for one env owned by the calling process."""
+    me = psutil.Process(os.getpid())
+    return Tag(me.pid, me.create_time(), f"{os.getpid()}.{next(_env_counter)}")
+
+
+def read_tag(proc: psutil.Process) -> tuple[Tag | None, str | None]:
+    """The tag and worker index a process carries in its environment, if readable."""
+    try:
+        env = proc.environ()
+    except (psutil.Error, OSError):
+        return None, None
+    value = env.get(OWNER_VAR)
+    if value is None:
+        return None, None
+    return Tag.parse(value), env.get(WORKER_VAR)

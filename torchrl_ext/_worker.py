@@ -1,0 +1,231 @@
+"""The worker bootstrap: code that runs *inside* each ParallelEnv worker process.
+
+The parent swaps TorchRL's worker entry functions for :func:`managed_worker_shared_mem` /
+:func:`managed_worker_direct` while it starts a :class:`ManagedParallelEnv` (see
+``_compat.managed_worker_targets``). Each entry finds the :class:`WorkerBootstrap` that wraps the
+user's env factory, prepares the process (own process group, parent-death signal, tag,
+daemon flag, report to the reaper) and then runs TorchRL's own worker loop. Exceptions the env
+raises are written to a report file for the parent before the worker exits; after a normal
+"close" the worker ends its own descendants and exits at once instead of waiting out
+interpreter teardown.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.process
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from . import _lifeline, _platform
+from ._errors import DaemonicWorkerError
+from ._tag import OWNER_VAR, WORKER_VAR
+
+__all__ = ["WorkerBootstrap", "WorkerConfig", "managed_worker_direct", "managed_worker_shared_mem"]
+
+log = logging.getLogger("torchrl_ext")
+
+#: Grace given to a worker's own descendants after a normal close before SIGKILL.
+CHILD_GRACE = 1.0
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker needs to know about its supervision. Picklable."""
+
+    index: int
+    tag: str
+    daemon_workers: bool
+    arm_pdeathsig: bool
+    owner_pid: int
+    owner_create_time: float
+    report_path: str
+    reaper_fifo: str | None
+
+
+class WorkerBootstrap:
+    """Picklable wrapper of the user's env factory that carries the worker's config.
+
+    Attribute names are private on purpose: TorchRL's ``CloudpickleWrapper`` copies the
+    wrapped object's ``__dict__`` onto itself.
+    """
+
+    def __init__(self, create_env_fn: Callable[..., Any], config: WorkerConfig) -> None:
+        self._trx_create_env_fn = create_env_fn
+        self._trx_config = config
+
+    def __call__(self, **kwargs: Any) -> Any:
+        return self._trx_create_env_fn(**kwargs)
+
+    def __repr__(self) -> str:
+        return f"WorkerBootstrap({self._trx_create_env_fn!r}, worker={self._trx_config.index})"
+
+
+def find_config(env_fun: Any) -> WorkerConfig | None:
+    """The config carried by ``env_fun`` (possibly inside TorchRL's CloudpickleWrapper)."""
+    for candidate in (env_fun, getattr(env_fun, "fn", None)):
+        config = getattr(candidate, "_trx_config", None)
+        if isinstance(config, WorkerConfig):
+            return config
+    return None
+
+
+class _CommandRecorder:
+    """Wraps the worker's end of the command pipe to remember the last command received."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self.last_command: str | None = None
+        self.saw_eof = False
+
+    def recv(self) -> Any:
+        try:
+            msg = self._conn.recv()
+        except EOFError:
+            self.saw_eof = True
+            raise
+        if isinstance(msg, tuple) and msg and isinstance(msg[0], str):
+            self.last_command = msg[0]
+        return msg
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+def _guarded_start(original: Callable[..., Any]) -> Callable[..., Any]:
+    def start(self: multiprocessing.process.BaseProcess) -> None:
+        if multiprocessing.current_process()._config.get("daemon"):  # type: ignore[attr-defined]
+            raise DaemonicWorkerError(f"the child process {self.name!r}")
+        original(self)
+
+    start.__wrapped__ = original  # type: ignore[attr-defined]
+    return start
+
+
+def prepare_process(config: WorkerConfig) -> None:
+    """Set up this worker process before the user's env exists."""
+    _platform.new_process_group()
+    if config.arm_pdeathsig and _platform.set_parent_death_signal(signal.SIGKILL):
+        # Not retroactive: if the owner already died, nobody will signal us.
+        try:
+            owner = psutil.Process(config.owner_pid)
+            owner_alive = abs(owner.create_time() - config.owner_create_time) < 1e-3
+        except psutil.Error:
+            owner_alive = False
+        if not owner_alive or os.getppid() == 1:
+            os._exit(1)
+    os.environ[OWNER_VAR] = config.tag
+    os.environ[WORKER_VAR] = str(config.index)
+    if config.reaper_fifo:
+        me = psutil.Process()
+        _lifeline.notify_watch(config.reaper_fifo, me.pid, me.create_time(), os.getpgrp())
+    current = multiprocessing.current_process()
+    if config.daemon_workers:
+        base = multiprocessing.process.BaseProcess
+        if not hasattr(base.start, "__wrapped__"):
+            base.start = _guarded_start(base.start)  # type: ignore[method-assign]
+    else:
+        # TorchRL <= 0.10 hard-codes daemonic workers; the flag only matters inside this
+        # process (it forbids children), and this process's children are supervised.
+        current._config["daemon"] = False  # type: ignore[attr-defined]
+
+
+def _write_report(config: WorkerConfig, exc: BaseException, last_command: str | None) -> None:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        payload = pickle.dumps(exc)
+        pickle.loads(payload)
+    except Exception:
+        payload = None
+    report = {
+        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+        "message": str(exc),
+        "traceback": text,
+        "exception": payload,
+        "last_command": last_command,
+        "pid": os.getpid(),
+        "time": time.time(),
+    }
+    tmp = f"{config.report_path}.tmp"
+    try:
+        with open(tmp, "wb") as fh:
+            pickle.dump(report, fh)
+        os.replace(tmp, config.report_path)
+    except OSError:
+        pass
+
+
+def _end_own_descendants() -> None:
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    if not children:
+        return
+    for proc in children:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _gone, alive = psutil.wait_procs(children, timeout=CHILD_GRACE)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=1.0)
+
+
+def _run_managed(entry_name: str, kwargs: dict[str, Any]) -> None:
+    from ._compat import original_worker_entry
+
+    original = original_worker_entry(entry_name)
+    config = find_config(kwargs.get("env_fun"))
+    if config is None:  # an upstream env started while ours was starting
+        original(**kwargs)
+        return
+    prepare_process(config)
+    recorder = _CommandRecorder(kwargs["child_pipe"])
+    kwargs["child_pipe"] = recorder
+    try:
+        original(**kwargs)
+    except BaseException as exc:
+        if recorder.saw_eof or recorder.last_command == "close":
+            # The parent closed the pipe (it is closing us, or it died): not an env error.
+            _end_own_descendants()
+            _exit(0)
+        if isinstance(exc, SystemExit | KeyboardInterrupt):
+            raise
+        _write_report(config, exc, recorder.last_command)
+        raise
+    _end_own_descendants()
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+def managed_worker_shared_mem(**kwargs: Any) -> None:
+    """Entry point replacing ``_run_worker_pipe_shared_mem`` for managed envs."""
+    _run_managed("_run_worker_pipe_shared_mem", kwargs)
+
+
+def managed_worker_direct(**kwargs: Any) -> None:
+    """Entry point replacing ``_run_worker_pipe_direct`` for managed envs."""
+    _run_managed("_run_worker_pipe_direct", kwargs)
