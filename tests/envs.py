@@ -52,7 +52,7 @@ class ToyEnv(EnvBase):
         **kwargs: Any,
     ) -> None:
         super().__init__(batch_size=torch.Size([]), **kwargs)
-        if raise_in == "init":
+        if raise_in == "init" or (raise_in == "init_in_worker" and self._in_worker()):
             raise ValueError("boom in __init__")
         self.loader_kind = loader
         self.dl_workers = dl_workers
@@ -70,7 +70,7 @@ class ToyEnv(EnvBase):
         self.observation_spec = Composite(observation=Unbounded(shape=(OBS,)))
         self.action_spec = Bounded(-1.0, 1.0, shape=(1,))
         self.reward_spec = Unbounded(shape=(1,))
-        if ignore_sigterm:
+        if ignore_sigterm and self._in_worker():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if subprocess_kind is not None and self._in_worker():
             self._start_subprocess(subprocess_kind)

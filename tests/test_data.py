@@ -396,7 +396,7 @@ def test_memmap_parse_errors_leave_nothing(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="cannot parse"):
         memmap_episodes(paths, broken, out)
     with pytest.raises(TypeError):
-        memmap_episodes(paths, lambda p: [1, 2, 3], out)  # type: ignore[arg-type, return-value]
+        memmap_episodes(paths, lambda p: [1, 2, 3], out)
     with pytest.raises(ValueError):
         memmap_episodes(paths, lambda p: {"x": torch.tensor(1.0)}, out)
     assert list(out.iterdir()) == []

@@ -15,6 +15,7 @@ from torchrl.envs import ParallelEnv, batched_envs
 
 __all__ = [
     "HAS_DAEMON_KWARG",
+    "SupervisedWorkers",
     "HAS_SHUTDOWN_TIMEOUT_KWARG",
     "managed_worker_targets",
     "original_worker_entry",
@@ -65,3 +66,32 @@ def managed_worker_targets() -> Iterator[None]:
             if _swap_depth == 0:
                 for name, fn in _ORIGINAL_ENTRIES.items():
                     setattr(batched_envs, name, fn)
+
+
+class SupervisedWorkers(list):  # type: ignore[type-arg]
+    """The env's ``_workers`` list, carrying the supervisor's fault check.
+
+    TorchRL's ``_check_start`` calls ``_check_for_faulty_process(self._workers)`` before most
+    methods; for our workers that check is the supervisor's (which keeps the survivors alive
+    and raises our error) instead of TorchRL's (which terminates them and closes the
+    ``Process`` objects).
+    """
+
+    def __init__(self, processes: list[Any], check_faults: Callable[[], None]) -> None:
+        super().__init__(processes)
+        self.check_faults = check_faults
+
+
+_original_check_for_faulty_process = batched_envs._check_for_faulty_process
+
+
+def _check_for_faulty_process(processes: Any) -> Any:
+    check = getattr(processes, "check_faults", None)
+    if check is not None:
+        check()
+        return None
+    return _original_check_for_faulty_process(processes)
+
+
+# Delegates to TorchRL's own check for every list that is not ours.
+batched_envs._check_for_faulty_process = _check_for_faulty_process

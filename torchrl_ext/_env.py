@@ -18,7 +18,12 @@ import psutil
 from torchrl.envs import EnvBase, ParallelEnv
 
 from . import _lifecycle, _lifeline, _platform
-from ._compat import HAS_DAEMON_KWARG, HAS_SHUTDOWN_TIMEOUT_KWARG, managed_worker_targets
+from ._compat import (
+    HAS_DAEMON_KWARG,
+    HAS_SHUTDOWN_TIMEOUT_KWARG,
+    SupervisedWorkers,
+    managed_worker_targets,
+)
 from ._errors import DaemonicParentError, WorkerDiedError
 from ._supervisor import SupervisionReport, WorkerSupervisor
 from ._tag import new_env_tag
@@ -206,6 +211,7 @@ class ManagedParallelEnv(ParallelEnv):
         finally:
             self.create_env_fn = user_fns
         self.parent_channels = supervisor.attach(self._workers, self.parent_channels)
+        self._workers = SupervisedWorkers(self._workers, supervisor.raise_if_failed)
         state.worker_pids = [p.pid for p in self._workers]
         state.supervisor = supervisor
         log.debug("%s started %d workers: %s", label, len(self._workers), state.worker_pids)
@@ -289,9 +295,9 @@ class ManagedParallelEnv(ParallelEnv):
         supervisor = state.supervisor
         if supervisor is None:
             return
-        if supervisor.failed and not state.closing:
-            # TorchRL's wait loop calls this right after it sees a dead worker. The dead tree is
-            # already gone; the survivors are closed by the user's close().
+        if not state.closing and supervisor.wait_for_failure(1.0) is not None:
+            # TorchRL's wait loop calls this right after it sees a dead worker. The supervisor
+            # has killed the dead worker's tree; the survivors are closed by the user's close().
             return
         state.supervisor = None
         try:

@@ -21,12 +21,12 @@ __all__ = [
 ]
 
 _SIGNAL_HINTS = {
-    signal.SIGKILL: "SIGKILL usually means the kernel's out-of-memory killer ended the worker "
-    "(check `dmesg` / the container's memory limit); lower `num_workers`, the DataLoader's "
+    signal.SIGKILL: "SIGKILL: likely out of memory (the kernel's OOM killer; check `dmesg` or the "
+    "container's memory limit) unless someone ran `kill -9`; lower `num_workers`, the DataLoader's "
     "`num_workers`/`prefetch_factor`, or the size of what each episode keeps in memory.",
-    signal.SIGBUS: "SIGBUS usually means shared memory ran out: /dev/shm is too small "
+    signal.SIGBUS: "SIGBUS: shared memory too small, usually: /dev/shm is too small "
     "(Docker: `--shm-size=8g`); or use fewer workers.",
-    signal.SIGSEGV: "SIGSEGV is a native crash inside the environment or a library it calls; "
+    signal.SIGSEGV: "SIGSEGV: native crash in the env or a library it calls; "
     "run the env in the main process (`SerialEnv`) with `python -X faulthandler` to see where.",
     signal.SIGABRT: "SIGABRT means native code in the environment aborted (failed assertion or "
     "C++ exception); its stderr above usually says why.",

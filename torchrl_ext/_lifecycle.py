@@ -146,3 +146,20 @@ def _chain(previous: Any, signum: int, frame: FrameType | None) -> None:
     # SIG_DFL (or a handler installed outside Python): let the default action happen.
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
+
+
+def _forget_in_child() -> None:
+    """A forked child (a worker, a DataLoader worker) does not own the parent's envs."""
+    global _atexit_installed
+    _live.clear()
+    for sig, previous in list(_previous_handlers.items()):
+        try:
+            if signal.getsignal(sig) is _handle_signal:
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        except ValueError:  # not the main thread of the child
+            pass
+    _previous_handlers.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)

@@ -23,6 +23,7 @@ __all__ = [
     "kill_process_group",
     "new_process_group",
     "open_pidfd",
+    "peek_exit_status",
     "process_group_of",
     "set_child_subreaper",
     "set_parent_death_signal",
@@ -146,6 +147,24 @@ def open_pidfd(pid: int) -> int | None:
         return os.pidfd_open(pid)
     except OSError:
         return None
+
+
+def peek_exit_status(pidfd: int) -> int | None:
+    """Exit code (negative signal number if killed) of an exited child, without reaping it.
+
+    ``None`` when the process is not our child, still runs, or this is unsupported.
+    """
+    if not hasattr(os, "waitid") or not hasattr(os, "P_PIDFD"):
+        return None
+    try:
+        result = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except (ChildProcessError, OSError):
+        return None
+    if result is None:
+        return None
+    if result.si_code == os.CLD_EXITED:
+        return int(result.si_status)
+    return -int(result.si_status)
 
 
 def signal_name(signum: int) -> str:

@@ -18,7 +18,7 @@ import psutil
 from . import _platform
 from ._tag import Tag, read_tag
 
-__all__ = ["ProcessKey", "descendants", "kill_and_reap", "members_of_group", "tagged_processes"]
+__all__ = ["ProcessKey", "descendants", "kill_and_reap", "members_of_group", "tagged_processes", "unique"]
 
 log = logging.getLogger("torchrl_ext")
 
@@ -109,7 +109,7 @@ def kill_and_reap(
     Returns ``(terminated, killed)``: the processes that ended after SIGTERM and those that
     needed SIGKILL. Processes already gone are in neither list.
     """
-    everything = _dedupe(procs)
+    everything = unique(procs)
     targets = _alive(everything)
     if not targets:
         reap_if_child(everything)
@@ -134,7 +134,8 @@ def kill_and_reap(
     return list(gone), killed
 
 
-def _dedupe(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
+def unique(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
+    """``procs`` without duplicates (by pid and create time) and without the caller."""
     seen: set[ProcessKey] = set()
     out = []
     for proc in procs:

@@ -113,10 +113,15 @@ class _Worker:
     exitcode: int | None = None
     descendants_killed: int = 0
     finished: bool = False
+    sentinel: int = -1
+    pidfd: int | None = None
 
-    @property
-    def sentinel(self) -> int:
-        return int(self.process.sentinel)
+    def __post_init__(self) -> None:
+        # A pidfd becomes readable when the process exits. The multiprocessing sentinel is a
+        # pipe that forked grandchildren (fork-context DataLoader workers) keep open after the
+        # worker died, so it is only the fallback where pidfds are unavailable.
+        self.pidfd = _platform.open_pidfd(self.pid)
+        self.sentinel = self.pidfd if self.pidfd is not None else int(self.process.sentinel)
 
     def exited(self) -> bool:
         try:
@@ -200,22 +205,26 @@ class WorkerSupervisor:
             if worker.finished:
                 return
             worker.finished = True
-            worker.exitcode = _exitcode(worker)
-            if self._closing:
-                return
-            worker.failure = self._failure_for(worker)
-            if self.first_failure is None:
-                self.first_failure = worker.failure
-        killed = self._kill_tree(worker, grace=0.0)
-        worker.descendants_killed = killed
+            closing = self._closing
+        worker.exitcode = _exitcode(worker)
+        if closing:
+            return
+        failure = self._failure_for(worker)
+        # Kill the dead worker's tree before anyone can see the failure: once the error is
+        # raised, nothing of that worker is left.
+        worker.descendants_killed = self._kill_tree(worker, grace=0.0)
         log.warning(
             "%s worker %d (pid %d) died with exit code %s; killed and reaped %d descendant process(es)",
             self.label,
             worker.index,
             worker.pid,
             format_exitcode(worker.exitcode),
-            killed,
+            worker.descendants_killed,
         )
+        with self._lock:
+            worker.failure = failure
+            if self.first_failure is None:
+                self.first_failure = failure
         self._failure_seen.set()
 
     def _failure_for(self, worker: _Worker) -> BaseException:
@@ -233,7 +242,7 @@ class WorkerSupervisor:
         return [p for p in procs if p.pid != worker.pid]
 
     def _kill_tree(self, worker: _Worker, grace: float) -> int:
-        procs = self._tree_of(worker)
+        procs = _process_tree.unique(self._tree_of(worker))
         if grace <= 0:
             alive = [p for p in procs if _running(p)]
             for proc in alive:
@@ -404,7 +413,8 @@ class WorkerSupervisor:
             pass
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2.0)
-        for fd in (self._wake_r, self._wake_w):
+        fds = [self._wake_r, self._wake_w] + [w.pidfd for w in self._workers if w.pidfd is not None]
+        for fd in fds:
             try:
                 os.close(fd)
             except OSError:
@@ -419,12 +429,25 @@ def _running(proc: psutil.Process) -> bool:
         return False
 
 
-def _exitcode(worker: _Worker) -> int | None:
-    try:
-        code = worker.process.exitcode
-    except ValueError:
-        return worker.exitcode
-    return code if code is not None else worker.exitcode
+def _exitcode(worker: _Worker, wait: float = 1.0) -> int | None:
+    """The worker's exit code, polled for up to ``wait`` seconds.
+
+    The pidfd and the multiprocessing sentinel turn readable while the kernel is still
+    tearing the process down, a moment before its status can be collected.
+    """
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            code = worker.process.exitcode
+        except (ValueError, AssertionError):  # Process.close() was called
+            return worker.exitcode
+        if code is None and worker.pidfd is not None:
+            code = _platform.peek_exit_status(worker.pidfd)
+        if code is not None:
+            return int(code)
+        if time.monotonic() >= deadline:
+            return worker.exitcode
+        time.sleep(0.002)
 
 
 def _read_report(path: str) -> dict[str, Any] | None:

@@ -70,6 +70,11 @@ class EpisodeLoader(Generic[T]):
     worker), loading happens in a :class:`ThreadPrefetcher` instead (same order, queue depth
     ``prefetch``); the daemonic case logs one warning per process.
 
+    ``multiprocessing_context`` goes to the DataLoader. ``None`` means the process default,
+    which importing torchrl sets to ``"spawn"``: each worker then re-imports torch (seconds)
+    and the dataset must be picklable. On Linux, ``"fork"`` starts workers in milliseconds
+    (fine unless the dataset uses CUDA).
+
     Not thread-safe: consume it from one thread. Items from worker processes arrive through
     shared memory; treat them as read-only if the dataset hands out shared storage.
 
@@ -215,15 +220,14 @@ class EpisodeLoader(Generic[T]):
         if workers > 0 and multiprocessing.current_process().daemon:
             _warn_daemonic_once()
             workers = 0
-        self._owner_pid = os.getpid()
         self._reset_pending = False
         if workers == 0:
-            self._backend = "thread"
             self._start_thread()
+            self._backend = "thread"
         else:
             generator = torch.Generator()
             generator.manual_seed(derive_seed(self._sampler.seed, _WORKER_SEED_SALT))
-            self._dataloader = DataLoader(
+            dataloader = DataLoader(
                 self._dataset,
                 batch_size=None,
                 sampler=self._sampler,
@@ -234,8 +238,12 @@ class EpisodeLoader(Generic[T]):
                 generator=generator,
                 multiprocessing_context=self._mp_context,
             )
+            # If starting the workers fails (e.g. an unpicklable dataset under spawn), the
+            # loader stays unstarted and the next call tries again.
+            self._iterator = iter(dataloader)
+            self._dataloader = dataloader
             self._backend = "dataloader"
-            self._iterator = iter(self._dataloader)
+        self._owner_pid = os.getpid()
         _logger.debug(
             "EpisodeLoader started: backend=%s num_workers=%d prefetch=%d",
             self._backend,

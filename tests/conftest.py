@@ -1,0 +1,240 @@
+"""Shared fixtures. The autouse ``no_leaks`` fixture fails any test that leaves a process behind."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SESSION_VAR = "TORCHRL_EXT_TEST_SESSION"
+os.environ.setdefault(SESSION_VAR, uuid.uuid4().hex)
+SESSION = os.environ[SESSION_VAR]
+
+#: Long-lived helpers multiprocessing starts once per test process; not leaks.
+_PERSISTENT_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker", "resource_tracker")
+
+START_METHODS = ["fork", "forkserver", "spawn"]
+
+
+def _key(proc: psutil.Process) -> tuple[int, float] | None:
+    try:
+        return (proc.pid, proc.create_time())
+    except psutil.Error:
+        return None
+
+
+def _is_helper(proc: psutil.Process) -> bool:
+    try:
+        cmd = " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+    return any(h in cmd for h in _PERSISTENT_HELPERS)
+
+
+def _tagged_strangers(before: set[tuple[int, float]]) -> list[psutil.Process]:
+    """Processes anywhere on the machine that carry our session or one of our env tags."""
+    me = os.getpid()
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == me:
+            continue
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):
+            continue
+        owner = env.get("TORCHRL_EXT_OWNER", "")
+        ours = env.get(SESSION_VAR) == SESSION or owner.startswith(f"{me}:")
+        if ours and _key(proc) not in before and not _is_helper(proc):
+            found.append(proc)
+    return found
+
+
+def leftovers(before: set[tuple[int, float]]) -> tuple[list[psutil.Process], list[psutil.Process]]:
+    me = psutil.Process()
+    live, zombies = [], []
+    for proc in me.children(recursive=True):
+        if _key(proc) in before or _is_helper(proc):
+            continue
+        try:
+            status = proc.status()
+        except psutil.Error:
+            continue
+        (zombies if status == psutil.STATUS_ZOMBIE else live).append(proc)
+    for proc in _tagged_strangers(before):
+        if proc not in live:
+            try:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    live.append(proc)
+            except psutil.Error:
+                continue
+    return live, zombies
+
+
+def _describe(procs: list[psutil.Process]) -> str:
+    out = []
+    for proc in procs:
+        try:
+            out.append(f"pid {proc.pid} ppid {proc.ppid()} {proc.status()} {' '.join(proc.cmdline())[:120]!r}")
+        except psutil.Error:
+            out.append(f"pid {proc.pid} (gone)")
+    return "; ".join(out)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail the test if it leaves a live descendant, a zombie child or a tagged process."""
+    me = psutil.Process()
+    before = {k for k in (_key(p) for p in me.children(recursive=True)) if k is not None}
+    before |= {k for k in (_key(p) for p in _tagged_strangers(set())) if k is not None}
+    yield
+    deadline = time.monotonic() + 10.0
+    while True:
+        live, zombies = leftovers(before)
+        if not live and not zombies:
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    message = f"test leaked processes: live=[{_describe(live)}] zombies=[{_describe(zombies)}]"
+    for proc in live:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(live, timeout=5)
+    for proc in zombies + live:
+        try:
+            os.waitpid(proc.pid, os.WNOHANG)
+        except (ChildProcessError, OSError):
+            pass
+    pytest.fail(message)
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+@pytest.fixture
+def make_env_fn() -> Any:
+    from tests.envs import make_env
+
+    def factory(**kwargs: Any) -> Any:
+        return functools.partial(make_env, **kwargs)
+
+    return factory
+
+
+# --------------------------------------------------------------------------- child interpreters
+@dataclass
+class ScenarioResult:
+    returncode: int
+    survivors: list[dict[str, Any]]
+    leaked: list[dict[str, Any]]
+    stdout: str
+    stderr: str
+    seen_before_death: list[dict[str, Any]]
+
+    @property
+    def slowest_exit(self) -> float:
+        return max((float(s.get("last_seen_after", 0.0)) for s in self.survivors), default=0.0)
+
+
+class Scenario:
+    """Runs ``python -m tests.scenarios NAME ...`` under ``tests/harness.py`` with a hard timeout."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.proc: subprocess.Popen[str] | None = None
+        self.ready_file = tmp_path / "ready.json"
+        self.out = tmp_path / "harness.json"
+
+    def start(self, name: str, *args: str, linger: float = 10.0) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        cmd = [
+            sys.executable,
+            str(ROOT / "tests" / "harness.py"),
+            str(self.out),
+            str(linger),
+            "--",
+            sys.executable,
+            "-m",
+            "tests.scenarios",
+            name,
+            "--ready",
+            str(self.ready_file),
+            *args,
+        ]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def wait_ready(self, timeout: float = 180.0) -> dict[str, Any]:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ready_file.exists():
+                try:
+                    return json.loads(self.ready_file.read_text())  # type: ignore[no-any-return]
+                except ValueError:
+                    pass
+            if self.proc.poll() is not None:
+                out, err = self.proc.communicate()
+                raise AssertionError(f"scenario ended before ready (rc {self.proc.returncode}):\n{out}\n{err}")
+            time.sleep(0.05)
+        self.kill()
+        raise AssertionError("scenario never became ready")
+
+    def finish(self, timeout: float = 120.0) -> ScenarioResult:
+        assert self.proc is not None
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            out, err = self.proc.communicate()
+            raise AssertionError(f"scenario hung (hard timeout {timeout}s):\n{out}\n{err}") from None
+        data = json.loads(self.out.read_text())
+        return ScenarioResult(
+            data["returncode"], data["survivors"], data["leaked"], out, err, data.get("seen_before_death", [])
+        )
+
+    def kill(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            parent = psutil.Process(self.proc.pid)
+            procs = [parent, *parent.children(recursive=True)]
+        except psutil.Error:
+            procs = []
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=5)
+        self.proc.wait()
+
+
+@pytest.fixture
+def scenario(tmp_path: Path) -> Iterator[Scenario]:
+    s = Scenario(tmp_path)
+    yield s
+    if s.proc is not None and s.proc.poll() is None:
+        s.kill()

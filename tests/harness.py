@@ -1,0 +1,96 @@
+"""Run a command under a child-subreaper and account for every process it leaves behind.
+
+Usage: ``python tests/harness.py OUT.json LINGER -- CMD...``
+
+The harness makes itself a child subreaper (Linux), runs CMD, and once CMD has exited keeps
+watching every descendant that was re-parented to it: it records how long after CMD's death
+each one disappeared, reaps them all (this process owns nothing else, so reaping any child is
+safe here), and SIGKILLs whatever is still alive LINGER seconds later, marking it leaked. The
+result goes to OUT.json. Written for tests: it keeps fault scenarios from leaving zombies on a
+machine whose PID 1 does not reap.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _reap_all() -> None:
+    while True:
+        try:
+            pid, _status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())[:200]
+    except psutil.Error:
+        return "?"
+
+
+def main() -> int:
+    out_path, linger = sys.argv[1], float(sys.argv[2])
+    cmd = sys.argv[sys.argv.index("--") + 1 :]
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    me = psutil.Process()
+    child = subprocess.Popen(cmd)
+    seen: dict[int, dict[str, object]] = {}
+    while child.poll() is None:
+        for proc in me.children(recursive=True):
+            if proc.pid not in seen:
+                seen[proc.pid] = {"pid": proc.pid, "cmdline": _describe(proc)}
+        time.sleep(0.02)
+    died_at = time.monotonic()
+    result: dict[str, object] = {"returncode": child.returncode}
+    survivors: dict[int, dict[str, object]] = {}
+    leaked = []
+    while True:
+        now = time.monotonic()
+        alive = []
+        for proc in me.children(recursive=True):
+            try:
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.Error:
+                continue
+            alive.append(proc)
+            info = survivors.setdefault(proc.pid, {"pid": proc.pid, "cmdline": _describe(proc)})
+            info["last_seen_after"] = now - died_at
+        _reap_all()
+        if not alive:
+            break
+        if now - died_at > linger:
+            for proc in alive:
+                leaked.append({"pid": proc.pid, "cmdline": _describe(proc)})
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    pass
+            psutil.wait_procs(alive, timeout=5)
+            _reap_all()
+            break
+        time.sleep(0.01)
+    result["survivors"] = list(survivors.values())
+    result["leaked"] = leaked
+    result["seen_before_death"] = list(seen.values())
+    with open(out_path, "w") as fh:
+        json.dump(result, fh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

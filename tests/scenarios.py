@@ -1,0 +1,113 @@
+"""Fault scenarios run in a child interpreter (``python -m tests.scenarios NAME ...``).
+
+Each one builds a ManagedParallelEnv whose workers hold DataLoader workers and/or plain
+subprocesses, writes ``--ready`` (JSON with its pid) once the interesting state is reached,
+then does what its name says. Run under ``tests/harness.py`` by the ``scenario`` fixture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from tests.envs import make_env
+from torchrl_ext import ManagedParallelEnv
+
+ENV: Any = None  # a global env, as users keep them
+
+
+def _ready(path: str, **extra: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump({"pid": os.getpid(), **extra}, fh)
+    os.replace(tmp, path)
+
+
+def _build(args: argparse.Namespace) -> ManagedParallelEnv:
+    fn = functools.partial(
+        make_env,
+        loader=args.loader,
+        subprocess_kind=args.subprocess,
+        step_sleep=args.step_sleep,
+        pid_dir=args.pid_dir,
+    )
+    return ManagedParallelEnv(
+        args.workers, fn, daemon_workers=False, mp_start_method=args.method, shutdown_timeout=args.shutdown_timeout
+    )
+
+
+def main() -> int:
+    global ENV
+    parser = argparse.ArgumentParser()
+    parser.add_argument("name")
+    parser.add_argument("--ready", required=True)
+    parser.add_argument("--method", default="fork")
+    parser.add_argument("--loader", default="persistent")
+    parser.add_argument("--subprocess", default=None)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--shutdown-timeout", type=float, default=5.0)
+    parser.add_argument("--pid-dir", default=None)
+    args = parser.parse_args()
+
+    if args.name == "user_handler":
+        marker = args.ready + ".handler"
+
+        def handler(signum: int, frame: Any) -> None:
+            with open(marker, "w") as fh:
+                fh.write(str(signum))
+            sys.exit(7)
+
+        signal.signal(signal.SIGTERM, handler)
+
+    if args.name == "kill_during_start":
+        _ready(args.ready, phase="starting")
+        ENV = _build(args)
+        ENV.reset()
+        ENV.rollout(1000, break_when_any_done=False)
+        return 0
+
+    if args.name == "thread_start":
+        # Workers started from a short-lived thread: PR_SET_PDEATHSIG must not kill them
+        # when that thread ends.
+        holder: dict[str, Any] = {}
+
+        def start() -> None:
+            holder["env"] = _build(args)
+            holder["env"].reset()
+
+        t = threading.Thread(target=start)
+        t.start()
+        t.join()
+        ENV = holder["env"]
+        out = ENV.rollout(3, break_when_any_done=False)
+        _ready(args.ready, workers=ENV.worker_pids, steps=int(out.shape[-1]))
+        ENV.rollout(1000, break_when_any_done=False)
+        return 0
+
+    ENV = _build(args)
+    ENV.rollout(3, break_when_any_done=False)
+    if args.name == "exit_without_close":
+        _ready(args.ready, workers=ENV.worker_pids)
+        return 0
+    if args.name == "exception_at_top_level":
+        _ready(args.ready, workers=ENV.worker_pids)
+        raise RuntimeError("user error at top level")
+    if args.name == "sys_exit":
+        _ready(args.ready, workers=ENV.worker_pids)
+        sys.exit(3)
+    if args.name in ("rollout_forever", "user_handler"):
+        _ready(args.ready, workers=ENV.worker_pids)
+        while True:
+            ENV.rollout(50, break_when_any_done=False)
+    raise SystemExit(f"unknown scenario {args.name}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""close(): bounded, idempotent, works after a death, escalates on stubborn workers."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.envs import make_env
+from torchrl_ext import ManagedParallelEnv, WorkerDiedError
+
+
+def _pids(pid_dir: Path, prefix: str) -> list[int]:
+    return [int(p.read_text()) for p in pid_dir.glob(f"{prefix}-*")]
+
+
+@pytest.mark.compat
+def test_close_healthy_twice_reports_graceful(tmp_path: Path) -> None:
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, loader="persistent", subprocess_kind="plain", pid_dir=str(tmp_path)),
+        daemon_workers=False,
+        mp_start_method="fork",
+    )
+    env.rollout(3)
+    children = _pids(tmp_path, "dl") + _pids(tmp_path, "sim")
+    assert len(children) == 6, "2 DataLoader workers and 1 simulator per worker"
+    env.close()
+    env.close()  # idempotent
+    report = env.supervision_report
+    assert report is not None and report.clean, str(report)
+    assert [w.outcome for w in report.workers] == ["graceful", "graceful"]
+    assert not [p for p in children if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+
+@pytest.mark.compat
+def test_close_after_worker_was_sigkilled(tmp_path: Path) -> None:
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, loader="persistent", pid_dir=str(tmp_path)),
+        daemon_workers=False,
+        mp_start_method="fork",
+    )
+    env.rollout(2)
+    victim = env.worker_pids[1]
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(WorkerDiedError):
+        env.rollout(2)
+    env.close()
+    env.close()
+    report = env.supervision_report
+    assert report is not None
+    outcomes = {w.index: w for w in report.workers}
+    assert outcomes[1].outcome == "died" and outcomes[1].exitcode == -signal.SIGKILL
+    assert outcomes[0].outcome == "graceful"
+
+
+def test_close_escalates_on_blocking_close_and_ignored_sigterm(tmp_path: Path) -> None:
+    fns = [
+        functools.partial(make_env, block_close=True),
+        functools.partial(make_env, block_close=True, ignore_sigterm=True),
+    ]
+    env = ManagedParallelEnv(2, fns, daemon_workers=False, mp_start_method="fork", shutdown_timeout=2.0)
+    env.rollout(2)
+    env.close()
+    report = env.supervision_report
+    assert report is not None
+    assert [w.outcome for w in report.workers] == ["terminated", "killed"]
+    assert not report.clean
+
+
+def test_shutdown_warns_on_escalation(caplog: pytest.LogCaptureFixture) -> None:
+    env = ManagedParallelEnv(
+        1, functools.partial(make_env, block_close=True), daemon_workers=False, mp_start_method="fork", shutdown_timeout=1.0
+    )
+    env.rollout(1)
+    pid = env.worker_pids[0]
+    with caplog.at_level("WARNING", logger="torchrl_ext"):
+        env.close()
+    assert any(f"worker 0 (pid {pid})" in r.getMessage() and "SIGTERM" in r.getMessage() for r in caplog.records)

@@ -1,0 +1,191 @@
+"""Fault supervision in the main process: worker deaths, env exceptions, no zombies."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import pickle
+import signal
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from tests.conftest import fd_count, shm_entries
+from tests.envs import make_env
+from torchrl_ext import ManagedParallelEnv, RemoteTraceback, WorkerDiedError
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_sigkilled_worker_raises_worker_died_error(method: str, tmp_path: Path) -> None:
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, loader="persistent", subprocess_kind="setsid", pid_dir=str(tmp_path), step_sleep=0.05),
+        daemon_workers=False,
+        mp_start_method=method,
+    )
+    try:
+        env.rollout(2)
+        victim = env.worker_pids[1]
+        victim_children = [int(p.read_text()) for p in tmp_path.glob(f"*-{victim}-*")]
+        assert len(victim_children) == 3
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(WorkerDiedError) as info:
+            env.rollout(50)
+        err = info.value
+        assert isinstance(err, RuntimeError)
+        assert (err.worker_index, err.pid, err.exitcode) == (1, victim, -9)
+        assert "SIGKILL(-9)" in str(err) and "out of memory" in str(err)
+        assert err.last_command is not None
+        # The dead worker's tree is gone at once, before close().
+        assert not [p for p in victim_children if _alive(p)]
+        # The same error again on the next call, fast and clear.
+        with pytest.raises(WorkerDiedError):
+            env.reset()
+    finally:
+        env.close()
+
+
+def test_worker_died_error_pickles() -> None:
+    err = WorkerDiedError(3, 1234, -7, "step")
+    clone = pickle.loads(pickle.dumps(err))
+    assert str(clone) == str(err) and clone.worker_index == 3 and "SIGBUS(-7)" in str(clone)
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize(
+    ("raise_in", "exc_type", "when"),
+    [("init", ValueError, "building"), ("reset", KeyError, "'reset'"), ("step", ZeroDivisionError, "step")],
+)
+def test_env_exceptions_keep_their_type(raise_in: str, exc_type: type[BaseException], when: str) -> None:
+    fns = [functools.partial(make_env), functools.partial(make_env, raise_in=raise_in)]
+    if raise_in == "init":
+        # Keep the main-process metadata env healthy: only worker 1 fails, in the worker.
+        fns = [functools.partial(make_env), functools.partial(make_env, raise_in="init_in_worker")]
+    env = ManagedParallelEnv(2, fns, daemon_workers=False, mp_start_method="fork")
+    try:
+        with pytest.raises(exc_type) as info:
+            env.rollout(3)
+        err = info.value
+        assert getattr(err, "worker_index", None) == 1
+        assert isinstance(err.__cause__, RemoteTraceback)
+        assert "boom" in err.__cause__.tb
+        assert when in "".join(getattr(err, "__notes__", []))
+    finally:
+        env.close()
+
+
+def test_no_zombies_fds_or_shm_after_repeated_worker_deaths() -> None:
+    fn = functools.partial(make_env, loader="persistent")
+
+    def cycle() -> None:
+        env = ManagedParallelEnv(2, fn, daemon_workers=False, mp_start_method="fork", shutdown_timeout=2.0)
+        env.rollout(2)
+        os.kill(env.worker_pids[0], signal.SIGKILL)
+        with pytest.raises(WorkerDiedError):
+            env.rollout(5)
+        env.close()
+
+    cycle()  # warm-up: lazily created helpers (resource tracker, thread pools) exist from here on
+    gc.collect()  # envs sit in reference cycles (upstream's too): collect before counting
+    fds, shm = fd_count(), shm_entries()
+    me = psutil.Process()
+    for _ in range(20):
+        cycle()
+    gc.collect()
+    assert fd_count() <= fds
+    assert shm_entries() <= shm
+    zombies = [c for c in me.children(recursive=True) if c.status() == psutil.STATUS_ZOMBIE]
+    assert not zombies
+
+
+@pytest.mark.compat
+def test_create_rollout_close_cycles_leak_nothing() -> None:
+    fn = functools.partial(make_env, loader="per_reset")
+
+    def cycle() -> None:
+        env = ManagedParallelEnv(2, fn, daemon_workers=False, mp_start_method="fork")
+        env.rollout(6)
+        env.close()
+
+    cycle()
+    gc.collect()
+    fds, shm = fd_count(), shm_entries()
+    threads = threading.active_count()
+    for _ in range(20):
+        cycle()
+    gc.collect()
+    assert fd_count() <= fds
+    assert shm_entries() <= shm
+    assert threading.active_count() <= threads
+    assert not psutil.Process().children(recursive=True) or all(
+        "forkserver" in " ".join(c.cmdline()) or "resource_tracker" in " ".join(c.cmdline())
+        for c in psutil.Process().children(recursive=True)
+    )
+
+
+class _CrashingDataset(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 2:
+            os._exit(17)
+        return torch.tensor(i)
+
+
+def _crash_message(loader: DataLoader) -> str:  # type: ignore[type-arg]
+    it = iter(loader)
+    try:
+        list(it)
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        message = "no error"
+    it._shutdown_workers()  # type: ignore[attr-defined]  # reap now, not whenever GC runs
+    del it
+    gc.collect()
+    return message
+
+
+def test_main_process_dataloader_keeps_its_own_crash_report() -> None:
+    """Our supervision never reaps someone else's child: torch still sees its worker die."""
+    env = ManagedParallelEnv(2, functools.partial(make_env), daemon_workers=False, mp_start_method="fork")
+    try:
+        env.rollout(2)
+        message = _crash_message(DataLoader(_CrashingDataset(), batch_size=None, num_workers=1))
+        assert "exited unexpectedly" in message or "exit code 17" in message, message
+        env.rollout(2)
+    finally:
+        env.close()
+
+
+def test_env_started_from_a_short_lived_thread_keeps_working() -> None:
+    holder: dict[str, ManagedParallelEnv] = {}
+
+    def start() -> None:
+        env = ManagedParallelEnv(2, functools.partial(make_env), daemon_workers=False, mp_start_method="fork")
+        env.reset()
+        holder["env"] = env
+
+    t = threading.Thread(target=start)
+    t.start()
+    t.join()
+    env = holder["env"]
+    try:
+        out = env.rollout(4)
+        assert out.shape[0] == 2
+        assert all(_alive(p) for p in env.worker_pids)
+    finally:
+        env.close()
