@@ -86,7 +86,9 @@ def _describe(procs: list[psutil.Process]) -> str:
     out = []
     for proc in procs:
         try:
-            out.append(f"pid {proc.pid} ppid {proc.ppid()} {proc.status()} {' '.join(proc.cmdline())[:120]!r}")
+            out.append(
+                f"pid {proc.pid} ppid {proc.ppid()} {proc.status()} {' '.join(proc.cmdline())[:120]!r}"
+            )
         except psutil.Error:
             out.append(f"pid {proc.pid} (gone)")
     return "; ".join(out)
@@ -184,7 +186,9 @@ class Scenario:
             str(self.ready_file),
             *args,
         ]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
 
     def wait_ready(self, timeout: float = 180.0) -> dict[str, Any]:
         assert self.proc is not None
@@ -197,7 +201,9 @@ class Scenario:
                     pass
             if self.proc.poll() is not None:
                 out, err = self.proc.communicate()
-                raise AssertionError(f"scenario ended before ready (rc {self.proc.returncode}):\n{out}\n{err}")
+                raise AssertionError(
+                    f"scenario ended before ready (rc {self.proc.returncode}):\n{out}\n{err}"
+                )
             time.sleep(0.05)
         self.kill()
         raise AssertionError("scenario never became ready")

@@ -127,8 +127,11 @@ class ToyEnv(EnvBase):
         self._episode += 1
         self._t = 0
         return TensorDict(
-            {"observation": self._current.clone(), "done": torch.zeros(1, dtype=torch.bool),
-             "terminated": torch.zeros(1, dtype=torch.bool)},
+            {
+                "observation": self._current.clone(),
+                "done": torch.zeros(1, dtype=torch.bool),
+                "terminated": torch.zeros(1, dtype=torch.bool),
+            },
             batch_size=[],
         )
 
@@ -136,6 +139,8 @@ class ToyEnv(EnvBase):
         if self.raise_in == "step":
             raise ZeroDivisionError("boom in step")
         if self.step_sleep:
+            if self.pid_dir:
+                self._record("stepping", os.getpid())
             time.sleep(self.step_sleep)
         self._t += 1
         done = torch.tensor([self._t >= 5])

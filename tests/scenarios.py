@@ -38,7 +38,11 @@ def _build(args: argparse.Namespace) -> ManagedParallelEnv:
         pid_dir=args.pid_dir,
     )
     return ManagedParallelEnv(
-        args.workers, fn, daemon_workers=False, mp_start_method=args.method, shutdown_timeout=args.shutdown_timeout
+        args.workers,
+        fn,
+        daemon_workers=False,
+        mp_start_method=args.method,
+        shutdown_timeout=args.shutdown_timeout,
     )
 
 
@@ -92,7 +96,9 @@ def main() -> int:
         return 0
 
     ENV = _build(args)
-    ENV.rollout(3, break_when_any_done=False)
+    ENV.reset()
+    if args.step_sleep < 1:
+        ENV.rollout(3, break_when_any_done=False)
     if args.name == "exit_without_close":
         _ready(args.ready, workers=ENV.worker_pids)
         return 0

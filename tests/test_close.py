@@ -75,10 +75,16 @@ def test_close_escalates_on_blocking_close_and_ignored_sigterm(tmp_path: Path) -
 
 def test_shutdown_warns_on_escalation(caplog: pytest.LogCaptureFixture) -> None:
     env = ManagedParallelEnv(
-        1, functools.partial(make_env, block_close=True), daemon_workers=False, mp_start_method="fork", shutdown_timeout=1.0
+        1,
+        functools.partial(make_env, block_close=True),
+        daemon_workers=False,
+        mp_start_method="fork",
+        shutdown_timeout=1.0,
     )
     env.rollout(1)
     pid = env.worker_pids[0]
     with caplog.at_level("WARNING", logger="torchrl_ext"):
         env.close()
-    assert any(f"worker 0 (pid {pid})" in r.getMessage() and "SIGTERM" in r.getMessage() for r in caplog.records)
+    assert any(
+        f"worker 0 (pid {pid})" in r.getMessage() and "SIGTERM" in r.getMessage() for r in caplog.records
+    )

@@ -30,6 +30,8 @@ from torchrl_ext.data import (
     memmap_episodes,
 )
 
+pytestmark = pytest.mark.compat
+
 N_EPISODES = 6
 T_STEPS = 5
 # Importing torchrl switches the global start method to "spawn"; fork keeps worker start-up cheap.

@@ -26,7 +26,7 @@ def test_is_a_real_parallel_env() -> None:
         assert isinstance(env, ParallelEnv)
         assert env.batch_size == torch.Size([2])
         assert env.daemon_workers is False
-        assert "observation" in env.observation_spec.keys()
+        assert "observation" in env.observation_spec
     finally:
         env.close()
 

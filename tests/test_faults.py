@@ -31,7 +31,9 @@ def _alive(pid: int) -> bool:
 def test_sigkilled_worker_raises_worker_died_error(method: str, tmp_path: Path) -> None:
     env = ManagedParallelEnv(
         2,
-        functools.partial(make_env, loader="persistent", subprocess_kind="setsid", pid_dir=str(tmp_path), step_sleep=0.05),
+        functools.partial(
+            make_env, loader="persistent", subprocess_kind="setsid", pid_dir=str(tmp_path), step_sleep=0.05
+        ),
         daemon_workers=False,
         mp_start_method=method,
     )

@@ -15,8 +15,8 @@ from torchrl.envs import ParallelEnv, batched_envs
 
 __all__ = [
     "HAS_DAEMON_KWARG",
-    "SupervisedWorkers",
     "HAS_SHUTDOWN_TIMEOUT_KWARG",
+    "SupervisedWorkers",
     "managed_worker_targets",
     "original_worker_entry",
 ]
@@ -29,7 +29,9 @@ HAS_SHUTDOWN_TIMEOUT_KWARG = "shutdown_timeout" in _init_params
 
 _ENTRY_NAMES = ("_run_worker_pipe_shared_mem", "_run_worker_pipe_direct")
 # Captured at import, before any swap: a forked child sees these, never our replacements.
-_ORIGINAL_ENTRIES: dict[str, Callable[..., Any]] = {name: getattr(batched_envs, name) for name in _ENTRY_NAMES}
+_ORIGINAL_ENTRIES: dict[str, Callable[..., Any]] = {
+    name: getattr(batched_envs, name) for name in _ENTRY_NAMES
+}
 _swap_lock = threading.RLock()
 _swap_depth = 0
 
@@ -68,7 +70,7 @@ def managed_worker_targets() -> Iterator[None]:
                     setattr(batched_envs, name, fn)
 
 
-class SupervisedWorkers(list):  # type: ignore[type-arg]
+class SupervisedWorkers(list[Any]):
     """The env's ``_workers`` list, carrying the supervisor's fault check.
 
     TorchRL's ``_check_start`` calls ``_check_for_faulty_process(self._workers)`` before most

@@ -39,7 +39,9 @@ DEFAULT_SHUTDOWN_TIMEOUT = 5.0
 class _ManagedState:
     """Our per-env state, kept in one ``__dict__`` entry (see the ``__getattr__`` trap)."""
 
-    def __init__(self, daemon_workers: bool, shutdown_timeout: float, handle_signals: bool, reap_orphans: bool):
+    def __init__(
+        self, daemon_workers: bool, shutdown_timeout: float, handle_signals: bool, reap_orphans: bool
+    ):
         self.daemon_workers = daemon_workers
         self.shutdown_timeout = shutdown_timeout
         self.handle_signals = handle_signals
@@ -110,6 +112,11 @@ class ManagedParallelEnv(ParallelEnv):
         True
     """
 
+    # Attributes TorchRL's ParallelEnv sets, declared for the type checker.
+    create_env_fn: list[Any]
+    parent_channels: list[Any]
+    _workers: Any
+
     def __init__(
         self,
         num_workers: int,
@@ -153,7 +160,7 @@ class ManagedParallelEnv(ParallelEnv):
     @property
     def supervision_report(self) -> SupervisionReport | None:
         """What the last ``close()`` had to do, per worker (``None`` before the first close)."""
-        return self.__dict__["_trx"].report  # type: ignore[no-any-return]
+        return self.__dict__["_trx"].report
 
     @property
     def worker_pids(self) -> list[int]:
@@ -182,7 +189,7 @@ class ManagedParallelEnv(ParallelEnv):
         arm_pdeathsig = start_method == "forkserver" or threading.current_thread() is threading.main_thread()
         me = psutil.Process()
         owner_ctime = me.create_time()
-        user_fns = self.create_env_fn
+        user_fns: list[Any] = self.create_env_fn
         self.create_env_fn = [
             WorkerBootstrap(
                 fn,
@@ -210,9 +217,11 @@ class ManagedParallelEnv(ParallelEnv):
             _raise_failure(failure)
         finally:
             self.create_env_fn = user_fns
-        self.parent_channels = supervisor.attach(self._workers, self.parent_channels)
-        self._workers = SupervisedWorkers(self._workers, supervisor.raise_if_failed)
-        state.worker_pids = [p.pid for p in self._workers]
+        processes: list[Any] = self._workers
+        channels: list[Any] = self.parent_channels
+        self.parent_channels = supervisor.attach(processes, channels)
+        self._workers = SupervisedWorkers(processes, supervisor.raise_if_failed)
+        state.worker_pids = [p.pid for p in processes]
         state.supervisor = supervisor
         log.debug("%s started %d workers: %s", label, len(self._workers), state.worker_pids)
 
@@ -235,7 +244,7 @@ class ManagedParallelEnv(ParallelEnv):
             for channel in channels:
                 with contextlib.suppress(Exception):
                     channel.close()
-            self._workers = []
+            self._workers = SupervisedWorkers([], _no_faults)
             self.parent_channels = []
             self.is_closed = True
             _lifecycle.unregister(self)
@@ -258,12 +267,12 @@ class ManagedParallelEnv(ParallelEnv):
             supervisor = state.supervisor or supervisor
             if supervisor is None:
                 raise
-            failure = supervisor.first_failure
-            if failure is None and _looks_like_worker_loss(err):
-                failure = supervisor.wait_for_failure(1.0)
-            if failure is None:
+            found = supervisor.first_failure
+            if found is None and _looks_like_worker_loss(err):
+                found = supervisor.wait_for_failure(1.0)
+            if found is None:
                 raise
-            _raise_failure(failure)
+            _raise_failure(found)
 
     def _reset(self, tensordict: Any, **kwargs: Any) -> Any:
         with self._supervised():
@@ -279,7 +288,7 @@ class ManagedParallelEnv(ParallelEnv):
 
     def set_seed(self, seed: int | None = None, static_seed: bool = False) -> int | None:
         with self._supervised():
-            return super().set_seed(seed, static_seed)  # type: ignore[no-any-return]
+            return super().set_seed(seed, static_seed)
 
     def state_dict(self) -> Any:
         with self._supervised():
@@ -310,7 +319,7 @@ class ManagedParallelEnv(ParallelEnv):
                 self.__dict__.pop("shared_tensordicts", None)
                 self.__dict__.pop("shared_tensordict_parent", None)
             # Empty lists, not deleted attributes: ParallelEnv.__getattr__ restarts workers.
-            self._workers = []
+            self._workers = SupervisedWorkers([], _no_faults)
             self.parent_channels = []
             self._cuda_events = None
             self._events = None
@@ -350,6 +359,10 @@ class ManagedParallelEnv(ParallelEnv):
         if state is not None and state.supervisor is not None and not self.__dict__.get("is_closed", True):
             with contextlib.suppress(Exception):
                 self._close_for("garbage collection")
+
+
+def _no_faults() -> None:
+    """Fault check of a closed env: nothing to report."""
 
 
 def _raise_failure(failure: BaseException) -> None:

@@ -20,7 +20,7 @@ __all__ = [
     "hint_for_exitcode",
 ]
 
-_SIGNAL_HINTS = {
+_SIGNAL_HINTS: dict[int, str] = {
     signal.SIGKILL: "SIGKILL: likely out of memory (the kernel's OOM killer; check `dmesg` or the "
     "container's memory limit) unless someone ran `kill -9`; lower `num_workers`, the DataLoader's "
     "`num_workers`/`prefetch_factor`, or the size of what each episode keeps in memory.",
@@ -51,7 +51,7 @@ def format_exitcode(exitcode: int | None) -> str:
 def hint_for_exitcode(exitcode: int | None) -> str:
     """A one-line hint about what an exit code usually means."""
     if exitcode is not None and exitcode < 0:
-        hint = _SIGNAL_HINTS.get(signal.Signals(-exitcode) if -exitcode in signal.valid_signals() else -1)
+        hint = _SIGNAL_HINTS.get(-exitcode)
         if hint:
             return hint
         return f"the worker was ended by {signal_name(-exitcode)}."

@@ -95,7 +95,9 @@ def acquire() -> str:
     with _lock:
         if _handle is None or _handle.proc.poll() is not None:
             if _handle is not None:
-                log.warning("torchrl_ext reaper exited unexpectedly (code %s); restarting it", _handle.proc.returncode)
+                log.warning(
+                    "torchrl_ext reaper exited unexpectedly (code %s); restarting it", _handle.proc.returncode
+                )
                 shutil.rmtree(_handle.dir, ignore_errors=True)
             _handle = _ReaperHandle()
         _users += 1

@@ -122,7 +122,9 @@ def kill_and_reap(
     gone, alive = psutil.wait_procs(targets, timeout=max(grace, 0.0))
     killed = []
     for proc in alive:
-        log.warning("%s %s (pid %d) ignored SIGTERM for %.1fs; sending SIGKILL", what, _name(proc), proc.pid, grace)
+        log.warning(
+            "%s %s (pid %d) ignored SIGTERM for %.1fs; sending SIGKILL", what, _name(proc), proc.pid, grace
+        )
         try:
             proc.kill()
             killed.append(proc)

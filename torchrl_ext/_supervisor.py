@@ -76,11 +76,14 @@ class SupervisionReport:
         return tuple(w for w in self.workers if w.outcome in ("terminated", "killed"))
 
     def __str__(self) -> str:
-        lines = [f"shutdown ({self.reason}) took {self.duration:.2f}s; leftovers killed: {self.leftovers_killed}"]
+        lines = [
+            f"shutdown ({self.reason}) took {self.duration:.2f}s; leftovers killed: {self.leftovers_killed}"
+        ]
         for w in self.workers:
             extra = f", {w.descendants_killed} descendant(s) killed" if w.descendants_killed else ""
             lines.append(
-                f"  worker {w.index} (pid {w.pid}): {w.outcome}, exit code {format_exitcode(w.exitcode)}{extra}"
+                f"  worker {w.index} (pid {w.pid}): {w.outcome}, "
+                f"exit code {format_exitcode(w.exitcode)}{extra}"
             )
         return "\n".join(lines)
 
@@ -165,7 +168,9 @@ class WorkerSupervisor:
                 self._workers.append(_Worker(index, process, process.pid, ctime, recorder))
                 _lifeline.send({"op": "watch", "pid": process.pid, "ctime": ctime, "pgid": process.pid})
         self._snapshot()
-        self._thread = threading.Thread(target=self._watch, name=f"torchrl_ext-supervisor-{self.label}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._watch, name=f"torchrl_ext-supervisor-{self.label}", daemon=True
+        )
         self._thread.start()
         return wrapped
 
@@ -179,7 +184,7 @@ class WorkerSupervisor:
             ready = multiprocessing.connection.wait([*pending, self._wake_r], timeout=SNAPSHOT_INTERVAL)
             for fd in ready:
                 if fd in pending:
-                    self._on_exit(pending[fd])  # type: ignore[index]
+                    self._on_exit(pending[fd])
             self._snapshot()
 
     def _snapshot(self) -> None:
@@ -253,7 +258,9 @@ class WorkerSupervisor:
             psutil.wait_procs(alive, timeout=2.0)
             _process_tree.reap_if_child(procs)
             return len(alive)
-        terminated, killed = _process_tree.kill_and_reap(procs, grace, what=f"{self.label} worker {worker.index} child")
+        terminated, killed = _process_tree.kill_and_reap(
+            procs, grace, what=f"{self.label} worker {worker.index} child"
+        )
         return len(terminated) + len(killed)
 
     def startup_failure(self) -> BaseException | None:
@@ -308,7 +315,9 @@ class WorkerSupervisor:
         outcome: dict[int, str] = {}
         for worker in workers:
             if worker.finished or worker.exited():
-                outcome[worker.index] = "died" if worker.failure is not None or worker.finished else "graceful"
+                outcome[worker.index] = (
+                    "died" if worker.failure is not None or worker.finished else "graceful"
+                )
                 continue
             try:
                 worker.channel.send(("close", None))
@@ -318,13 +327,17 @@ class WorkerSupervisor:
         for worker in workers:
             if worker.index not in outcome and self._exited(worker):
                 outcome[worker.index] = "graceful"
-        for sig, until, name in ((signal.SIGTERM, term_until, "terminated"), (signal.SIGKILL, None, "killed")):
+        for sig, until, name in (
+            (signal.SIGTERM, term_until, "terminated"),
+            (signal.SIGKILL, None, "killed"),
+        ):
             pending = [w for w in workers if w.index not in outcome and not self._exited(w)]
             if not pending:
                 break
             for worker in pending:
                 log.warning(
-                    "%s worker %d (pid %d) did not exit within %.1fs of %s (%s); sending %s to its process group",
+                    "%s worker %d (pid %d) did not exit within %.1fs of %s (%s); "
+                    "sending %s to its process group",
                     self.label,
                     worker.index,
                     worker.pid,
@@ -361,7 +374,9 @@ class WorkerSupervisor:
             reason=reason,
             duration=time.monotonic() - t0,
             workers=tuple(
-                WorkerOutcome(w.index, w.pid, outcome.get(w.index, "killed"), w.exitcode, w.descendants_killed)
+                WorkerOutcome(
+                    w.index, w.pid, outcome.get(w.index, "killed"), w.exitcode, w.descendants_killed
+                )
                 for w in workers
             ),
             leftovers_killed=swept,
@@ -372,7 +387,9 @@ class WorkerSupervisor:
             return True
         try:
             proc = psutil.Process(worker.pid)
-            return proc.status() == psutil.STATUS_ZOMBIE or abs(proc.create_time() - worker.create_time) > 1e-3
+            return (
+                proc.status() == psutil.STATUS_ZOMBIE or abs(proc.create_time() - worker.create_time) > 1e-3
+            )
         except psutil.Error:
             return True
 

@@ -49,7 +49,9 @@ class Tag:
             return None
 
     def same_owner(self, other: Tag) -> bool:
-        return self.owner_pid == other.owner_pid and abs(self.owner_create_time - other.owner_create_time) < 1e-3
+        return (
+            self.owner_pid == other.owner_pid and abs(self.owner_create_time - other.owner_create_time) < 1e-3
+        )
 
     def owner_alive(self) -> bool:
         """Whether the owning process still exists (a reused pid does not count)."""

@@ -317,7 +317,7 @@ class EpisodeLoader(Generic[T]):
 
     def __del__(self) -> None:
         # Plain try/except, not contextlib.suppress: module globals may be gone at teardown.
-        try:  # noqa: SIM105
+        try:
             self.close()
         except Exception:  # pragma: no cover - best effort during interpreter teardown
             pass

@@ -227,7 +227,7 @@ class ThreadPrefetcher(Generic[T]):
 
     def __del__(self) -> None:
         # Plain try/except, not contextlib.suppress: module globals may be gone at teardown.
-        try:  # noqa: SIM105
+        try:
             self.close(timeout=1.0)
         except Exception:  # pragma: no cover - best effort during interpreter teardown
             pass

@@ -1,0 +1,162 @@
+"""However the program ends, nothing is left: child interpreters under a subreaper harness.
+
+Each scenario runs ``tests/scenarios.py`` in its own interpreter with a hard timeout. The
+harness records every process still alive after the scenario's main process died and kills
+(and reports as leaked) whatever outlives ``linger`` seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import Scenario
+
+LINGER = 5.0  # the guarantee is 2 s; slack for a loaded 2-core CI machine
+
+
+def _assert_nothing_leaked(result: object) -> None:
+    leaked = result.leaked
+    assert not leaked, f"processes outlived the main process by {LINGER}s: {leaked}"
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize(
+    ("name", "returncode", "stderr_has"),
+    [
+        ("exit_without_close", 0, None),
+        ("exception_at_top_level", 1, "user error at top level"),
+        ("sys_exit", 3, None),
+    ],
+)
+def test_interpreter_exit_closes_open_envs(
+    scenario: Scenario, name: str, returncode: int, stderr_has: str
+) -> None:
+    scenario.start(name, "--method", "fork", "--subprocess", "plain", linger=LINGER)
+    result = scenario.finish(timeout=120)
+    assert result.returncode == returncode, result.stderr
+    if stderr_has:
+        assert stderr_has in result.stderr
+    _assert_nothing_leaked(result)
+    # The atexit hook closed the env: nothing had to be killed after the main process ended.
+    assert not result.survivors, result.survivors
+
+
+def _wait_for_children(pid: int, count: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if len(psutil.Process(pid).children(recursive=True)) >= count:
+                return
+        except psutil.Error:
+            return
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    ("sig", "returncode", "stderr_has"),
+    [
+        (signal.SIGTERM, -signal.SIGTERM, None),
+        (signal.SIGINT, -signal.SIGINT, "KeyboardInterrupt"),  # Python exits "by" SIGINT
+        (signal.SIGHUP, -signal.SIGHUP, None),
+    ],
+)
+def test_signals_close_envs_then_chain(
+    scenario: Scenario, sig: int, returncode: int, stderr_has: str
+) -> None:
+    scenario.start(
+        "rollout_forever", "--method", "fork", "--subprocess", "plain", "--step-sleep", "0.02", linger=LINGER
+    )
+    ready = scenario.wait_ready()
+    os.kill(ready["pid"], sig)
+    result = scenario.finish(timeout=120)
+    assert result.returncode == returncode, result.stderr
+    if stderr_has:
+        assert stderr_has in result.stderr
+    _assert_nothing_leaked(result)
+
+
+def test_user_sigterm_handler_still_called(scenario: Scenario) -> None:
+    scenario.start("user_handler", "--method", "fork", "--step-sleep", "0.02", linger=LINGER)
+    ready = scenario.wait_ready()
+    os.kill(ready["pid"], signal.SIGTERM)
+    result = scenario.finish(timeout=120)
+    assert result.returncode == 7, result.stderr
+    assert (scenario.ready_file.parent / (scenario.ready_file.name + ".handler")).read_text() == str(
+        int(signal.SIGTERM)
+    )
+    _assert_nothing_leaked(result)
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_sigkill_of_main_mid_long_step_leaves_nothing(
+    scenario: Scenario, method: str, tmp_path: Path
+) -> None:
+    """Workers busy in a 60 s step, holding DataLoader workers and a setsid subprocess."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    scenario.start(
+        "rollout_forever",
+        "--method",
+        method,
+        "--subprocess",
+        "setsid",
+        "--step-sleep",
+        "60",
+        "--pid-dir",
+        str(pid_dir),
+        linger=LINGER,
+    )
+    ready = scenario.wait_ready(timeout=240)
+    # Kill the main process like the OOM killer would, once both workers are inside the step.
+    _wait_for(lambda: len(list(pid_dir.glob("stepping-*"))) >= 2, timeout=120)
+    os.kill(ready["pid"], signal.SIGKILL)
+    result = scenario.finish(timeout=120)
+    assert result.returncode == -signal.SIGKILL
+    _assert_nothing_leaked(result)
+    seen = {s["pid"] for s in result.seen_before_death}
+    assert set(ready["workers"]) <= seen
+    children = {int(p.read_text()) for p in pid_dir.glob("*-*-*") if not p.name.startswith("stepping")}
+    assert len(children) == 2 * 3, "each worker held 2 DataLoader workers and a setsid simulator"
+    assert not [pid for pid in children if _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_sigkill_of_main_while_dataloaders_start(scenario: Scenario) -> None:
+    scenario.start("kill_during_start", "--method", "fork", "--subprocess", "setsid", linger=LINGER)
+    ready = scenario.wait_ready()
+    # Wait until a worker has started its own children (DataLoader workers, simulator).
+    _wait_for_children(ready["pid"], 4, timeout=60)
+    os.kill(ready["pid"], signal.SIGKILL)
+    result = scenario.finish(timeout=120)
+    _assert_nothing_leaked(result)
+
+
+def test_env_started_from_a_short_lived_thread_dies_with_main(scenario: Scenario) -> None:
+    scenario.start(
+        "thread_start", "--method", "fork", "--subprocess", "plain", "--step-sleep", "0.05", linger=LINGER
+    )
+    ready = scenario.wait_ready()
+    assert ready["steps"] == 3, "workers survived the end of the thread that started them"
+    os.kill(ready["pid"], signal.SIGKILL)
+    result = scenario.finish(timeout=120)
+    _assert_nothing_leaked(result)

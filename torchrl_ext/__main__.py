@@ -1,0 +1,42 @@
+"""Command line: ``python -m torchrl_ext sweep [--kill] [--grace SECONDS]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code (0: nothing is left)."""
+    parser = argparse.ArgumentParser(prog="python -m torchrl_ext", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sweep = sub.add_parser(
+        "sweep",
+        help="list processes left by managed envs whose owner process is gone",
+        description="List processes whose TORCHRL_EXT_OWNER owner is gone (pid dead or reused). "
+        "Exit code 0 when nothing is left, 1 otherwise.",
+    )
+    sweep.add_argument("--kill", action="store_true", help="end them: SIGTERM, grace period, SIGKILL")
+    sweep.add_argument("--grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL")
+    args = parser.parse_args(argv)
+
+    from ._sweep import sweep_orphans
+
+    found, alive = sweep_orphans(kill=args.kill, grace=args.grace)
+    out = sys.stdout
+    if not found:
+        out.write("no orphaned torchrl_ext processes\n")
+        return 0
+    for item in found:
+        state = "still running" if item in alive else "ended"
+        out.write(f"{item.describe()} [{state}]\n")
+    if alive:
+        hint = "" if args.kill else " (run with --kill to end them)"
+        out.write(f"{len(alive)} orphaned process(es) left{hint}\n")
+        return 1
+    out.write(f"ended {len(found)} orphaned process(es)\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
