@@ -49,6 +49,7 @@ class ToyEnv(EnvBase):
         ignore_sigterm: bool = False,
         block_close: bool = False,
         pid_dir: str | None = None,
+        leak_in_init: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(batch_size=torch.Size([]), **kwargs)
@@ -74,9 +75,13 @@ class ToyEnv(EnvBase):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if subprocess_kind is not None and self._in_worker():
             self._start_subprocess(subprocess_kind)
+        if leak_in_init:  # a badly behaved env: its close() never stops this one
+            cmd = [sys.executable, "-c", "import time\nwhile True: time.sleep(1)"]
+            self._record("leak", subprocess.Popen(cmd).pid)
 
     def _in_worker(self) -> bool:
-        return os.environ.get("TORCHRL_EXT_OWNER") is not None
+        """True in a ManagedParallelEnv worker (index >= 0), false in the spec-reading process."""
+        return os.environ.get("TORCHRL_EXT_WORKER", "-1") != "-1"
 
     def _start_subprocess(self, kind: str) -> None:
         cmd = [sys.executable, "-c", "import time\nwhile True: time.sleep(1)"]

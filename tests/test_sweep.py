@@ -25,7 +25,11 @@ def _spawn_tagged(owner_pid: int, owner_ctime: float) -> subprocess.Popen[bytes]
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run(
-        [sys.executable, "-m", "torchrl_ext", "sweep", *args], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-m", "torchrl_ext", "sweep", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
 
 

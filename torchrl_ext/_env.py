@@ -25,8 +25,9 @@ from ._compat import (
     managed_worker_targets,
 )
 from ._errors import DaemonicParentError, WorkerDiedError
+from ._metadata import metadata_in_subprocess as metadata_in_subprocess_ctx
 from ._supervisor import SupervisionReport, WorkerSupervisor
-from ._tag import new_env_tag
+from ._tag import Tag, new_env_tag
 from ._worker import WorkerBootstrap, WorkerConfig
 
 __all__ = ["ManagedParallelEnv"]
@@ -72,6 +73,18 @@ def _resolve_daemon(daemon_workers: bool | None, daemon: bool | None) -> bool:
     return True
 
 
+def _start_method(requested: str | None) -> str:
+    """The start method ParallelEnv will use for ``mp_start_method=requested``."""
+    if requested is not None:
+        return requested
+    try:
+        from torchrl._utils import _get_default_mp_start_method
+
+        return str(_get_default_mp_start_method())
+    except ImportError:  # TorchRL 0.10 uses spawn when none is given
+        return "spawn"
+
+
 def _looks_like_worker_loss(err: BaseException) -> bool:
     if isinstance(err, EOFError | BrokenPipeError | ConnectionError):
         return True
@@ -101,6 +114,9 @@ class ManagedParallelEnv(ParallelEnv):
         handle_signals: install chained SIGTERM/SIGINT/SIGHUP handlers (main thread only).
         reap_orphans: on Linux, make this process a child subreaper so that the children of a
             worker that died are re-parented here and reaped, even where PID 1 does not reap.
+        metadata_in_subprocess: build the env TorchRL uses to read specs in a supervised
+            one-shot process instead of the main process (default: when
+            ``daemon_workers=False``), so its children cannot outlive it.
         **kwargs: everything ``torchrl.envs.ParallelEnv`` accepts.
 
     Example:
@@ -127,6 +143,7 @@ class ManagedParallelEnv(ParallelEnv):
         shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
         handle_signals: bool = True,
         reap_orphans: bool = True,
+        metadata_in_subprocess: bool | None = None,
         **kwargs: Any,
     ) -> None:
         if shutdown_timeout <= 0:
@@ -137,7 +154,19 @@ class ManagedParallelEnv(ParallelEnv):
             kwargs["daemon"] = resolved
         if HAS_SHUTDOWN_TIMEOUT_KWARG:
             kwargs["shutdown_timeout"] = float(shutdown_timeout)
-        super().__init__(num_workers, create_env_fn, **kwargs)
+        if metadata_in_subprocess is None:
+            metadata_in_subprocess = not resolved
+        if not metadata_in_subprocess:
+            super().__init__(num_workers, create_env_fn, **kwargs)
+            return
+        tag = new_env_tag()
+        start_method = _start_method(kwargs.get("mp_start_method"))
+        with metadata_in_subprocess_ctx(
+            start_method,
+            Tag(tag.owner_pid, tag.owner_create_time, tag.env_id + ".meta"),
+            f"ManagedParallelEnv[{tag.env_id}]",
+        ):
+            super().__init__(num_workers, create_env_fn, **kwargs)
 
     # ------------------------------------------------------------------ public extras
     @property
@@ -179,13 +208,7 @@ class ManagedParallelEnv(ParallelEnv):
         label = f"ManagedParallelEnv[{tag.env_id}]"
         supervisor = WorkerSupervisor(tag, state.shutdown_timeout, label)
         fifo = _lifeline.acquire()
-        start_method = self._mp_start_method or multiprocessing.get_start_method(allow_none=True) or "spawn"
-        try:
-            from torchrl._utils import _get_default_mp_start_method
-
-            start_method = self._mp_start_method or _get_default_mp_start_method()
-        except ImportError:
-            pass
+        start_method = _start_method(self._mp_start_method)
         arm_pdeathsig = start_method == "forkserver" or threading.current_thread() is threading.main_thread()
         me = psutil.Process()
         owner_ctime = me.create_time()

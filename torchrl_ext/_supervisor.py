@@ -237,7 +237,7 @@ class WorkerSupervisor:
         last_command = worker.channel.last_command
         if report is None:
             return WorkerDiedError(worker.index, worker.pid, worker.exitcode, last_command)
-        return _rebuild_exception(report, worker.index, worker.pid)
+        return rebuild_exception(report, worker.index, worker.pid)
 
     def _tree_of(self, worker: _Worker) -> list[psutil.Process]:
         procs = list(worker.descendants.values())
@@ -272,7 +272,7 @@ class WorkerSupervisor:
                 reports.append((float(report.get("time", 0.0)), worker.index, worker, report))
         if reports:
             _t, _i, worker, report = min(reports, key=lambda item: item[:2])
-            return _rebuild_exception(report, worker.index, worker.pid)
+            return rebuild_exception(report, worker.index, worker.pid)
         for worker in self._workers:
             if worker.finished or self._exited(worker):
                 return WorkerDiedError(
@@ -476,7 +476,7 @@ def _read_report(path: str) -> dict[str, Any] | None:
     return report if isinstance(report, dict) else None
 
 
-def _rebuild_exception(report: dict[str, Any], index: int, pid: int) -> BaseException:
+def rebuild_exception(report: dict[str, Any], index: int, pid: int) -> BaseException:
     exc: BaseException | None = None
     if report.get("exception") is not None:
         try:
@@ -488,7 +488,11 @@ def _rebuild_exception(report: dict[str, Any], index: int, pid: int) -> BaseExce
     exc.__cause__ = RemoteTraceback(report.get("traceback", ""))
     last = report.get("last_command")
     where = f"while handling {last!r}" if last else "while building the env"
+    if index < 0:
+        note = f"Raised in the process (pid {pid}) that builds the env to read its specs."
+    else:
+        note = f"Raised in ManagedParallelEnv worker {index} (pid {pid}) {where}."
     if hasattr(exc, "add_note"):
-        exc.add_note(f"Raised in ManagedParallelEnv worker {index} (pid {pid}) {where}.")
+        exc.add_note(note)
     exc.worker_index = index  # type: ignore[attr-defined]
     return exc

@@ -140,14 +140,16 @@ def prepare_process(config: WorkerConfig) -> None:
         current._config["daemon"] = False  # type: ignore[attr-defined]
 
 
-def _write_report(config: WorkerConfig, exc: BaseException, last_command: str | None) -> None:
+def exception_report(exc: BaseException, last_command: str | None) -> dict[str, Any]:
+    """A picklable description of ``exc`` for the parent (the exception itself if it pickles)."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    payload: bytes | None
     try:
         payload = pickle.dumps(exc)
         pickle.loads(payload)
     except Exception:
         payload = None
-    report = {
+    return {
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "message": str(exc),
         "traceback": text,
@@ -156,6 +158,10 @@ def _write_report(config: WorkerConfig, exc: BaseException, last_command: str | 
         "pid": os.getpid(),
         "time": time.time(),
     }
+
+
+def _write_report(config: WorkerConfig, exc: BaseException, last_command: str | None) -> None:
+    report = exception_report(exc, last_command)
     tmp = f"{config.report_path}.tmp"
     try:
         with open(tmp, "wb") as fh:
@@ -165,7 +171,8 @@ def _write_report(config: WorkerConfig, exc: BaseException, last_command: str | 
         pass
 
 
-def _end_own_descendants() -> None:
+def end_own_descendants() -> None:
+    """TERM, wait, KILL and reap every descendant of this process."""
     try:
         children = psutil.Process().children(recursive=True)
     except psutil.Error:
@@ -202,17 +209,18 @@ def _run_managed(entry_name: str, kwargs: dict[str, Any]) -> None:
     except BaseException as exc:
         if recorder.saw_eof or recorder.last_command == "close":
             # The parent closed the pipe (it is closing us, or it died): not an env error.
-            _end_own_descendants()
-            _exit(0)
+            end_own_descendants()
+            exit_now(0)
         if isinstance(exc, SystemExit | KeyboardInterrupt):
             raise
         _write_report(config, exc, recorder.last_command)
         raise
-    _end_own_descendants()
-    _exit(0)
+    end_own_descendants()
+    exit_now(0)
 
 
-def _exit(code: int) -> None:
+def exit_now(code: int) -> None:
+    """Flush stdio and leave without interpreter teardown."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

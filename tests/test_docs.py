@@ -1,0 +1,308 @@
+"""The documentation is tested like the code.
+
+* Every ```python block of README.md and docs/*.md runs, in a fresh interpreter, under
+  ``tests/harness.py`` (a subreaper that reports every process the block leaves behind).
+  Blocks fenced as ``text``, ``bash``, ``diff``... are not run.
+* The doctests of every module of the package pass.
+* What the docs must cover is checked against the code: every exception class of
+  ``torchrl_ext._errors`` and every message the library logs at WARNING or above appears in
+  docs/troubleshooting.md; every test the guarantee table cites exists.
+* The site builds with ``mkdocs build --strict`` (skipped only when mkdocs is not installed).
+"""
+
+from __future__ import annotations
+
+import ast
+import doctest
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+import torchrl_ext
+from torchrl_ext import _errors
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+DOC_FILES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+HARNESS = ROOT / "tests" / "harness.py"
+
+#: Seconds one code block may run (it starts torch, and maybe a ManagedParallelEnv).
+BLOCK_TIMEOUT = 120.0
+#: Seconds a process may outlive its block before the harness kills it and reports a leak.
+BLOCK_LINGER = 10.0
+RUN_LANGUAGES = {"python", "py", "python3"}
+
+
+# --------------------------------------------------------------------------- code blocks
+@dataclass(frozen=True)
+class CodeBlock:
+    path: Path
+    line: int  # 1-based line of the opening fence
+    language: str
+    code: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+_OPEN = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*?)\s*$")
+
+
+def extract_blocks(path: Path) -> list[CodeBlock]:
+    """Fenced code blocks of a Markdown file, dedented by their fence's indentation."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    blocks: list[CodeBlock] = []
+    i = 0
+    while i < len(lines):
+        match = _OPEN.match(lines[i])
+        if match is None:
+            i += 1
+            continue
+        indent, fence = match["indent"], match["fence"]
+        info = match["info"].lstrip("{").strip()
+        language = info.split()[0].lstrip(".").lower() if info else ""
+        closing = re.compile(rf"^[ \t]*{re.escape(fence[0])}{{{len(fence)},}}\s*$")
+        body: list[str] = []
+        j = i + 1
+        while j < len(lines) and not closing.match(lines[j]):
+            line = lines[j]
+            body.append(line[len(indent) :] if line.startswith(indent) else line.lstrip())
+            j += 1
+        if j == len(lines):
+            raise AssertionError(f"{path.relative_to(ROOT)}:{i + 1}: code fence is never closed")
+        blocks.append(CodeBlock(path, i + 1, language, "\n".join(body) + "\n"))
+        i = j + 1
+    return blocks
+
+
+def _python_blocks() -> list[CodeBlock]:
+    return [b for path in DOC_FILES for b in extract_blocks(path) if b.language in RUN_LANGUAGES]
+
+
+PYTHON_BLOCKS = _python_blocks()
+
+
+def test_docs_have_runnable_examples() -> None:
+    names = {b.path.name for b in PYTHON_BLOCKS}
+    assert {"README.md", "quickstart.md", "troubleshooting.md"} <= names, names
+
+
+def _kill_tree(pid: int) -> None:
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.Error:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[b.name for b in PYTHON_BLOCKS])
+def test_python_block_runs(block: CodeBlock, tmp_path: Path) -> None:
+    starts_env = re.search(r"\b(Managed)?ParallelEnv\s*\(", block.code) is not None
+    if starts_env:
+        assert 'mp_start_method="fork"' in block.code, (
+            f"{block.name}: a block that starts a ParallelEnv must pass mp_start_method=\"fork\" "
+            "(spawn re-imports torch in every worker: too slow for the docs test)"
+        )
+        assert ".close()" in block.code or "closing(" in block.code, (
+            f"{block.name}: a block that starts a ParallelEnv must close it"
+        )
+    script = tmp_path / "block.py"
+    script.write_text(block.code, encoding="utf-8")
+    report = tmp_path / "harness.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, str(HARNESS), str(report), str(BLOCK_LINGER), "--", sys.executable, str(script)]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        out, err = proc.communicate(timeout=BLOCK_TIMEOUT + BLOCK_LINGER + 10)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc.pid)
+        out, err = proc.communicate()
+        pytest.fail(f"{block.name} did not finish within {BLOCK_TIMEOUT:.0f}s\n{out}\n{err[-4000:]}")
+    assert proc.returncode == 0, f"harness failed ({proc.returncode}):\n{err[-4000:]}"
+    result = json.loads(report.read_text())
+    assert result["returncode"] == 0, (
+        f"{block.name} exited with {result['returncode']}\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-6000:]}"
+    )
+    assert not result["leaked"], f"{block.name} left processes behind: {result['leaked']}"
+
+
+# ------------------------------------------------------------------------------ doctests
+def _package_modules() -> list[str]:
+    names = [torchrl_ext.__name__]
+    for info in pkgutil.walk_packages(torchrl_ext.__path__, prefix=f"{torchrl_ext.__name__}."):
+        names.append(info.name)
+    return sorted(names)
+
+
+@pytest.mark.parametrize("module_name", _package_modules())
+def test_doctests(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    output: list[str] = []
+    for test in finder.find(module, module_name):
+        runner.run(test, out=output.append)
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0, "".join(output)
+
+
+def test_public_modules_have_doctests() -> None:
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    examples = sum(
+        len(t.examples) for name in _package_modules() for t in finder.find(importlib.import_module(name))
+    )
+    assert examples > 0
+
+
+# ------------------------------------------------------------------- what the docs cover
+def _normalized(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_troubleshooting_covers_every_exception_class() -> None:
+    page = (DOCS / "troubleshooting.md").read_text(encoding="utf-8")
+    headings = set(re.findall(r"^#{2,4}\s+`?(\w+)`?\s*$", page, flags=re.MULTILINE))
+    classes = [
+        name
+        for name in _errors.__all__
+        if inspect.isclass(getattr(_errors, name)) and issubclass(getattr(_errors, name), BaseException)
+    ]
+    assert classes
+    missing = [name for name in classes if name not in headings]
+    assert not missing, f"docs/troubleshooting.md has no section for {missing}"
+
+
+_LOG_METHODS = {"warning", "error", "exception", "critical"}
+_LOGGER_NAMES = {"log", "logger", "_log", "_logger"}
+_PLACEHOLDER = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(?:\*|\d+)?(?:\.(?:\*|\d+))?[diouxXeEfFgGcrsa%]")
+
+
+def _string_value(node: ast.AST, constants: dict[str, str]) -> list[str] | None:
+    """The literal parts of a log message expression, or None if it cannot be read."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return _PLACEHOLDER.split(node.value)
+    if isinstance(node, ast.Name) and node.id in constants:
+        return _PLACEHOLDER.split(constants[node.id])
+    if isinstance(node, ast.JoinedStr):
+        return [v.value for v in node.values if isinstance(v, ast.Constant) and isinstance(v.value, str)]
+    return None
+
+
+def _logged_messages() -> list[tuple[str, list[str]]]:
+    found = []
+    for path in sorted((ROOT / "torchrl_ext").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        constants = {
+            target.id: node.value.value
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
+        for node in ast.walk(tree):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in _LOG_METHODS
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in _LOGGER_NAMES
+                and node.args
+            ):
+                continue
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            parts = _string_value(node.args[0], constants)
+            assert parts is not None, f"{where}: cannot read the logged message to check the docs"
+            found.append((where, [p.strip() for p in parts if len(p.strip()) >= 4]))
+    return found
+
+
+def test_troubleshooting_covers_every_logged_warning() -> None:
+    page = _normalized((DOCS / "troubleshooting.md").read_text(encoding="utf-8"))
+    messages = _logged_messages()
+    assert len(messages) >= 5
+    missing = [
+        f"{where}: {fragment!r}" for where, fragments in messages for fragment in fragments
+        if _normalized(fragment) not in page
+    ]
+    assert not missing, "docs/troubleshooting.md does not quote these logged messages:\n" + "\n".join(missing)
+
+
+def test_guarantee_table_cites_existing_tests() -> None:
+    page = (DOCS / "guarantees.md").read_text(encoding="utf-8")
+    defined = {
+        (path.name, name)
+        for path in (ROOT / "tests").glob("test_*.py")
+        for name in re.findall(r"^def (test_\w+)\(", path.read_text(encoding="utf-8"), flags=re.MULTILINE)
+    }
+    rows = [
+        line
+        for line in page.splitlines()
+        if line.startswith("|") and not re.match(r"^\|\s*-", line) and "proven by" not in line
+    ]
+    assert len(rows) >= 20
+    for row in rows:
+        cited = re.findall(r"`(test_\w+\.py)::(test_\w+)`", row)
+        assert cited, f"guarantee row cites no test: {row}"
+        unknown = [c for c in cited if c not in defined]
+        assert not unknown, f"guarantee row cites tests that do not exist: {unknown}"
+
+
+def test_readme_links_resolve() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    targets = re.findall(r"\]\((?!https?:|#)([^)#\s]+)", readme)
+    assert targets
+    missing = [t for t in targets if not (ROOT / t).exists()]
+    assert not missing, f"README.md links to missing files: {missing}"
+
+
+# ---------------------------------------------------------------------------- site build
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    if importlib.util.find_spec("mkdocs") is None:
+        pytest.skip("mkdocs is not installed (pip install the dev extra to build the docs)")
+    site = tmp_path / "site"
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(site),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
+    api = (site / "api" / "index.html").read_text(encoding="utf-8")
+    for name in ("ManagedParallelEnv", "WorkerDiedError", "EpisodeLoader", "ThreadPrefetcher"):
+        assert name in api, f"the API reference does not document {name}"
