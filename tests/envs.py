@@ -50,6 +50,7 @@ class ToyEnv(EnvBase):
         block_close: bool = False,
         pid_dir: str | None = None,
         leak_in_init: bool = False,
+        hold_gil: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(batch_size=torch.Size([]), **kwargs)
@@ -59,6 +60,7 @@ class ToyEnv(EnvBase):
         self.dl_workers = dl_workers
         self.dl_context = dl_context
         self.step_sleep = step_sleep
+        self.hold_gil = hold_gil
         self.raise_in = raise_in
         self.block_close = block_close
         self.pid_dir = pid_dir
@@ -143,6 +145,10 @@ class ToyEnv(EnvBase):
     def _step(self, tensordict: TensorDict) -> TensorDict:
         if self.raise_in == "step":
             raise ZeroDivisionError("boom in step")
+        if self.hold_gil:
+            if self.pid_dir:
+                self._record("stepping", os.getpid())
+            sum(range(10**12))  # one C call that never releases the GIL
         if self.step_sleep:
             if self.pid_dir:
                 self._record("stepping", os.getpid())

@@ -36,6 +36,7 @@ def _build(args: argparse.Namespace) -> ManagedParallelEnv:
         subprocess_kind=args.subprocess,
         step_sleep=args.step_sleep,
         pid_dir=args.pid_dir,
+        hold_gil=args.hold_gil,
     )
     return ManagedParallelEnv(
         args.workers,
@@ -58,6 +59,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--shutdown-timeout", type=float, default=5.0)
     parser.add_argument("--pid-dir", default=None)
+    parser.add_argument("--hold-gil", action="store_true")
     args = parser.parse_args()
 
     if args.name == "user_handler":
@@ -97,7 +99,7 @@ def main() -> int:
 
     ENV = _build(args)
     ENV.reset()
-    if args.step_sleep < 1:
+    if args.step_sleep < 1 and not args.hold_gil:
         ENV.rollout(3, break_when_any_done=False)
     if args.name == "exit_without_close":
         _ready(args.ready, workers=ENV.worker_pids)

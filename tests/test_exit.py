@@ -94,21 +94,25 @@ def test_user_sigterm_handler_still_called(scenario: Scenario) -> None:
     _assert_nothing_leaked(result)
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+@pytest.mark.parametrize(
+    ("method", "busy"),
+    [("fork", "sleep"), ("forkserver", "sleep"), ("spawn", "sleep"), ("fork", "gil")],
+)
 def test_sigkill_of_main_mid_long_step_leaves_nothing(
-    scenario: Scenario, method: str, tmp_path: Path
+    scenario: Scenario, method: str, busy: str, tmp_path: Path
 ) -> None:
-    """Workers busy in a 60 s step, holding DataLoader workers and a setsid subprocess."""
+    """Workers busy in a long step (sleeping, or inside one C call that holds the GIL), each
+    holding 2 DataLoader workers and a setsid subprocess."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
+    busy_args = ["--step-sleep", "60"] if busy == "sleep" else ["--hold-gil"]
     scenario.start(
         "rollout_forever",
         "--method",
         method,
         "--subprocess",
         "setsid",
-        "--step-sleep",
-        "60",
+        *busy_args,
         "--pid-dir",
         str(pid_dir),
         linger=LINGER,

@@ -1,0 +1,90 @@
+"""Process-wide hooks: signal handlers installed once, chained, restored; the inherited tag."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.envs import make_env
+from torchrl_ext import ManagedParallelEnv
+from torchrl_ext._lifecycle import HANDLED_SIGNALS, _handle_signal
+from torchrl_ext._tag import Tag
+
+
+@pytest.mark.compat
+def test_handlers_installed_while_open_and_restored_after() -> None:
+    before = {sig: signal.getsignal(sig) for sig in HANDLED_SIGNALS}
+    env = ManagedParallelEnv(1, functools.partial(make_env), daemon_workers=False, mp_start_method="fork")
+    env2 = ManagedParallelEnv(1, functools.partial(make_env), daemon_workers=False, mp_start_method="fork")
+    try:
+        env.reset()
+        env2.reset()
+        assert all(signal.getsignal(sig) is _handle_signal for sig in HANDLED_SIGNALS)
+        env.close()
+        assert all(signal.getsignal(sig) is _handle_signal for sig in HANDLED_SIGNALS), "env2 is still open"
+    finally:
+        env.close()
+        env2.close()
+    assert {sig: signal.getsignal(sig) for sig in HANDLED_SIGNALS} == before
+
+
+def test_opt_out_and_ignored_signals_stay_ignored() -> None:
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        env = ManagedParallelEnv(
+            1, functools.partial(make_env), daemon_workers=False, mp_start_method="fork", handle_signals=False
+        )
+        env.reset()
+        assert signal.getsignal(signal.SIGTERM) is not _handle_signal
+        env.close()
+        env = ManagedParallelEnv(1, functools.partial(make_env), daemon_workers=False, mp_start_method="fork")
+        env.reset()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is _handle_signal
+        env.close()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+@pytest.mark.compat
+def test_every_descendant_inherits_the_owner_tag(tmp_path: Path) -> None:
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, subprocess_kind="setsid", pid_dir=str(tmp_path)),
+        daemon_workers=False,
+        mp_start_method="fork",
+    )
+    try:
+        env.reset()
+        sims = [int(p.read_text()) for p in tmp_path.glob("sim-*")]
+        assert len(sims) == 2
+        me = psutil.Process()
+        for pid in sims:
+            environ = psutil.Process(pid).environ()
+            tag = Tag.parse(environ["TORCHRL_EXT_OWNER"])
+            assert tag is not None and tag.owner_pid == me.pid
+            assert abs(tag.owner_create_time - me.create_time()) < 1e-3
+            assert environ["TORCHRL_EXT_WORKER"] in {"0", "1"}
+        for pid in env.worker_pids:
+            assert os.getpgid(pid) == pid
+    finally:
+        env.close()
+
+
+def test_package_import_starts_nothing() -> None:
+    code = (
+        "import psutil, threading, torchrl_ext, torchrl_ext.data\n"
+        "assert not psutil.Process().children(), psutil.Process().children()\n"
+        "print(threading.active_count())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "1"
