@@ -226,3 +226,26 @@ def test_env_started_from_a_short_lived_thread_keeps_working() -> None:
         assert all(_alive(p) for p in env.worker_pids)
     finally:
         env.close()
+
+
+def test_death_detected_without_pidfds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The macOS / old-kernel path: no pidfd, and the sentinel is held open by the dead
+    worker's forked DataLoader workers; polling still notices the death."""
+    from torchrl_ext import _platform
+
+    monkeypatch.setattr(_platform, "open_pidfd", lambda pid: None)
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, loader="persistent", dl_context="fork", pid_dir=str(tmp_path)),
+        daemon_workers=False,
+        mp_start_method="fork",
+    )
+    try:
+        env.rollout(2)
+        victim = env.worker_pids[0]
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(WorkerDiedError) as info:
+            env.rollout(20)
+        assert info.value.pid == victim and info.value.exitcode == -signal.SIGKILL
+    finally:
+        env.close()

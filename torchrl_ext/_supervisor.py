@@ -33,6 +33,7 @@ __all__ = ["SupervisionReport", "WorkerOutcome", "WorkerSupervisor"]
 log = logging.getLogger("torchrl_ext")
 
 SNAPSHOT_INTERVAL = 0.5
+FALLBACK_POLL_INTERVAL = 0.1
 
 
 @dataclass(frozen=True)
@@ -181,10 +182,17 @@ class WorkerSupervisor:
                 if self._stopped:
                     return
                 pending = {w.sentinel: w for w in self._workers if not w.finished}
-            ready = multiprocessing.connection.wait([*pending, self._wake_r], timeout=SNAPSHOT_INTERVAL)
+            polled = [w for w in pending.values() if w.pidfd is None]
+            # Without pidfds (macOS, old kernels) a sentinel can stay open after the worker died
+            # (forked grandchildren inherit it), so those workers are also polled.
+            timeout = FALLBACK_POLL_INTERVAL if polled else SNAPSHOT_INTERVAL
+            ready = multiprocessing.connection.wait([*pending, self._wake_r], timeout=timeout)
             for fd in ready:
                 if fd in pending:
                     self._on_exit(pending[fd])
+            for worker in polled:
+                if not worker.finished and worker.exited():
+                    self._on_exit(worker)
             self._snapshot()
 
     def _snapshot(self) -> None:
@@ -204,6 +212,9 @@ class WorkerSupervisor:
             return
         for fd in multiprocessing.connection.wait(list(pending), timeout=0):
             self._on_exit(pending[fd])  # type: ignore[index]
+        for worker in pending.values():
+            if worker.pidfd is None and not worker.finished and worker.exited():
+                self._on_exit(worker)
 
     def _on_exit(self, worker: _Worker) -> None:
         with self._lock:
