@@ -332,8 +332,17 @@ class ManagedParallelEnv(ParallelEnv):
             # has killed the dead worker's tree; the survivors are closed by the user's close().
             return
         state.supervisor = None
+        if supervisor.owner_pid != os.getpid():
+            # A forked copy of this env (fork-context DataLoader worker, fork of the user's own):
+            # the workers belong to the parent process, which closes them.
+            return
         try:
-            state.report = supervisor.shutdown(state.close_reason)
+            try:
+                state.report = supervisor.shutdown(state.close_reason)
+            except BaseException:
+                # Interrupted (KeyboardInterrupt from a second Ctrl-C): kill fast, then re-raise.
+                state.report = supervisor.shutdown("interrupted close", timeout=0.5)
+                raise
         finally:
             for channel in self.__dict__.get("parent_channels") or []:
                 with contextlib.suppress(Exception):

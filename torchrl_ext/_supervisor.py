@@ -139,6 +139,7 @@ class WorkerSupervisor:
 
     def __init__(self, tag: Tag, shutdown_timeout: float, label: str) -> None:
         self.tag = tag
+        self.owner_pid = os.getpid()
         self.shutdown_timeout = shutdown_timeout
         self.label = label
         self.report_dir = tempfile.mkdtemp(prefix="torchrl_ext-reports-")
