@@ -88,3 +88,14 @@ def test_shutdown_warns_on_escalation(caplog: pytest.LogCaptureFixture) -> None:
     assert any(
         f"worker 0 (pid {pid})" in r.getMessage() and "SIGTERM" in r.getMessage() for r in caplog.records
     )
+
+
+def test_context_manager_closes() -> None:
+    with ManagedParallelEnv(
+        1, functools.partial(make_env), daemon_workers=False, mp_start_method="fork"
+    ) as env:
+        env.rollout(2)
+        pid = env.worker_pids[0]
+    assert env.is_closed
+    report = env.supervision_report
+    assert report is not None and report.clean and report.workers[0].pid == pid

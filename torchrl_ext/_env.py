@@ -382,6 +382,12 @@ class ManagedParallelEnv(ParallelEnv):
             state.close_reason = "close"
             self.is_closed = True
 
+    def __enter__(self) -> ManagedParallelEnv:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def _close_for(self, reason: str) -> None:
         self.__dict__["_trx"].close_reason = reason
         self.close()

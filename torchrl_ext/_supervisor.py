@@ -322,14 +322,16 @@ class WorkerSupervisor:
         with self._lock:
             self._closing = True
             workers = list(self._workers)
-        graceful_until = t0 + 0.7 * timeout
-        term_until = t0 + 0.9 * timeout
+        # One deadline for everything: the close message gets 60% of it, SIGTERM until 80%,
+        # SIGKILL until the deadline; the sweep and reaping use what is left (SIGKILLed
+        # processes die at once, so they take milliseconds).
+        deadline = t0 + timeout
+        graceful_until = t0 + 0.6 * timeout
+        term_until = t0 + 0.8 * timeout
         outcome: dict[int, str] = {}
         for worker in workers:
             if worker.finished or worker.exited():
-                outcome[worker.index] = (
-                    "died" if worker.failure is not None or worker.finished else "graceful"
-                )
+                outcome[worker.index] = "died"  # exited before anyone asked it to
                 continue
             try:
                 worker.channel.send(("close", None))
@@ -341,7 +343,7 @@ class WorkerSupervisor:
                 outcome[worker.index] = "graceful"
         for sig, until, name in (
             (signal.SIGTERM, term_until, "terminated"),
-            (signal.SIGKILL, None, "killed"),
+            (signal.SIGKILL, deadline, "killed"),
         ):
             pending = [w for w in workers if w.index not in outcome and not self._exited(w)]
             if not pending:
@@ -359,7 +361,7 @@ class WorkerSupervisor:
                     _platform.signal_name(sig),
                 )
                 self._signal_worker(worker, sig)
-            self._wait_exit(pending, until if until is not None else time.monotonic() + 5.0)
+            self._wait_exit(pending, max(until, time.monotonic() + 0.05))
             for worker in pending:
                 if self._exited(worker):
                     outcome[worker.index] = name
@@ -368,17 +370,18 @@ class WorkerSupervisor:
         for worker in workers:
             leftovers += self._tree_of(worker)
         leftovers += _process_tree.tagged_processes(self.tag, env_id=self.tag.env_id)
-        grace = max(0.1, min(0.5, t0 + timeout - time.monotonic()))
+        grace = max(0.05, min(0.5, deadline - time.monotonic()))
         swept_t, swept_k = _process_tree.kill_and_reap(leftovers, grace, what=f"{self.label} leftover")
         swept = len(swept_t) + len(swept_k)
         if swept:
             log.warning("%s: swept %d leftover process(es) after the workers exited", self.label, swept)
         for worker in workers:
+            remaining = max(0.05, deadline - time.monotonic())
             try:
-                worker.process.join(timeout=1.0)
+                worker.process.join(timeout=remaining)
             except (ValueError, AssertionError):
                 pass
-            worker.exitcode = _exitcode(worker)
+            worker.exitcode = _exitcode(worker, wait=min(remaining, 1.0))
             worker.finished = True
             _lifeline.send({"op": "unwatch", "pid": worker.pid})
         self.stop()
