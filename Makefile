@@ -39,5 +39,8 @@ test-compat: .venv-torchrl010/.ready
 
 test: lint test-main test-compat
 
+docs: .venv/.ready
+	.venv/bin/python -m mkdocs build --strict
+
 clean:
 	rm -rf .venv .venv-torchrl010 .pytest_cache .mypy_cache .ruff_cache site

@@ -118,7 +118,7 @@ def test_python_block_runs(block: CodeBlock, tmp_path: Path) -> None:
     starts_env = re.search(r"\b(Managed)?ParallelEnv\s*\(", block.code) is not None
     if starts_env:
         assert 'mp_start_method="fork"' in block.code, (
-            f"{block.name}: a block that starts a ParallelEnv must pass mp_start_method=\"fork\" "
+            f'{block.name}: a block that starts a ParallelEnv must pass mp_start_method="fork" '
             "(spawn re-imports torch in every worker: too slow for the docs test)"
         )
         assert ".close()" in block.code or "closing(" in block.code, (
@@ -142,7 +142,8 @@ def test_python_block_runs(block: CodeBlock, tmp_path: Path) -> None:
     assert proc.returncode == 0, f"harness failed ({proc.returncode}):\n{err[-4000:]}"
     result = json.loads(report.read_text())
     assert result["returncode"] == 0, (
-        f"{block.name} exited with {result['returncode']}\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-6000:]}"
+        f"{block.name} exited with {result['returncode']}\n"
+        f"--- stdout\n{out[-4000:]}\n--- stderr\n{err[-6000:]}"
     )
     assert not result["leaked"], f"{block.name} left processes behind: {result['leaked']}"
 
@@ -244,7 +245,9 @@ def test_troubleshooting_covers_every_logged_warning() -> None:
     messages = _logged_messages()
     assert len(messages) >= 5
     missing = [
-        f"{where}: {fragment!r}" for where, fragments in messages for fragment in fragments
+        f"{where}: {fragment!r}"
+        for where, fragments in messages
+        for fragment in fragments
         if _normalized(fragment) not in page
     ]
     assert not missing, "docs/troubleshooting.md does not quote these logged messages:\n" + "\n".join(missing)
