@@ -121,7 +121,9 @@ def test_python_block_runs(block: CodeBlock, tmp_path: Path) -> None:
             f'{block.name}: a block that starts a ParallelEnv must pass mp_start_method="fork" '
             "(spawn re-imports torch in every worker: too slow for the docs test)"
         )
-        assert ".close()" in block.code or "closing(" in block.code, (
+        closes = ".close()" in block.code or "closing(" in block.code
+        closes = closes or re.search(r"with\s+(Managed)?ParallelEnv\s*\(", block.code) is not None
+        assert closes, (
             f"{block.name}: a block that starts a ParallelEnv must close it"
         )
     script = tmp_path / "block.py"

@@ -12,9 +12,11 @@ interpreter teardown.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.process
+import multiprocessing.util
 import os
 import pickle
 import signal
@@ -220,7 +222,14 @@ def _run_managed(entry_name: str, kwargs: dict[str, Any]) -> None:
 
 
 def exit_now(code: int) -> None:
-    """Flush stdio and leave without interpreter teardown."""
+    """Run multiprocessing's finalizers, flush stdio and leave without interpreter teardown.
+
+    The finalizers unlink the named semaphores (``/dev/shm/sem.mp-*``) of spawn-context queues
+    the env created (a DataLoader's); skipping them would leave one set per closed worker.
+    Call it only once the descendants are gone: it joins children.
+    """
+    with contextlib.suppress(Exception):
+        multiprocessing.util._exit_function()  # type: ignore[attr-defined]
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
