@@ -13,7 +13,7 @@ export TORCHRL_EXT_TEST_SESSION ?= make-$(shell date +%s)-$$PPID
 .venv/.ready: pyproject.toml Makefile
 	test -x .venv/bin/python || $(PYTHON) -m venv .venv
 	.venv/bin/pip install $(PIP_FLAGS) $(TORCH)
-	.venv/bin/pip install $(PIP_FLAGS) "$(TORCHRL)" -e ".[dev]"
+	.venv/bin/pip install $(PIP_FLAGS) "$(TORCHRL)" -e ".[dev,ray]"
 	touch $@
 
 .venv-torchrl010/.ready: pyproject.toml Makefile

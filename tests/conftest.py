@@ -169,7 +169,7 @@ class Scenario:
         self.ready_file = tmp_path / "ready.json"
         self.out = tmp_path / "harness.json"
 
-    def start(self, name: str, *args: str, linger: float = 10.0) -> None:
+    def start(self, name: str, *args: str, linger: float = 10.0, module: str = "tests.scenarios") -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         cmd = [
@@ -180,7 +180,7 @@ class Scenario:
             "--",
             sys.executable,
             "-m",
-            "tests.scenarios",
+            module,
             name,
             "--ready",
             str(self.ready_file),

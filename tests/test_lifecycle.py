@@ -88,3 +88,23 @@ def test_package_import_starts_nothing() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "1"
+
+
+def test_subreaper_only_while_envs_are_open() -> None:
+    """Orphans of unrelated grandchildren are adopted only while a managed env is open."""
+    from torchrl_ext import _platform
+
+    if not _platform.has_prctl():
+        pytest.skip("no prctl: no subreaper on this platform")
+    assert not _platform.is_child_subreaper()
+    env = ManagedParallelEnv(1, functools.partial(make_env), daemon_workers=False, mp_start_method="fork")
+    env.reset()
+    assert _platform.is_child_subreaper()
+    env.close()
+    assert not _platform.is_child_subreaper()
+    out = subprocess.run(["sh", "-c", "sleep 5 & echo $!"], capture_output=True, text=True, check=True)
+    orphan = psutil.Process(int(out.stdout))
+    try:
+        assert orphan.ppid() != os.getpid(), "an unrelated orphan was adopted after the last close"
+    finally:
+        orphan.kill()

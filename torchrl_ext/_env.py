@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 from torchrl.envs import EnvBase, ParallelEnv
 
-from . import _lifecycle, _lifeline, _platform
+from . import _lifecycle, _lifeline
 from ._compat import (
     HAS_DAEMON_KWARG,
     HAS_SHUTDOWN_TIMEOUT_KWARG,
@@ -156,6 +156,9 @@ class ManagedParallelEnv(ParallelEnv):
             kwargs["shutdown_timeout"] = float(shutdown_timeout)
         if metadata_in_subprocess is None:
             metadata_in_subprocess = not resolved
+        current = multiprocessing.current_process()
+        if metadata_in_subprocess and current.daemon:
+            raise DaemonicParentError(current.name)
         if not metadata_in_subprocess:
             super().__init__(num_workers, create_env_fn, **kwargs)
             return
@@ -202,8 +205,6 @@ class ManagedParallelEnv(ParallelEnv):
         current = multiprocessing.current_process()
         if current.daemon:
             raise DaemonicParentError(current.name)
-        if state.reap_orphans and not _platform.is_child_subreaper():
-            _platform.set_child_subreaper(True)
         tag = new_env_tag()
         label = f"ManagedParallelEnv[{tag.env_id}]"
         supervisor = WorkerSupervisor(tag, state.shutdown_timeout, label)
@@ -229,7 +230,7 @@ class ManagedParallelEnv(ParallelEnv):
             )
             for i, fn in enumerate(user_fns)
         ]
-        _lifecycle.register(self, state.handle_signals)
+        _lifecycle.register(self, state.handle_signals, state.reap_orphans)
         try:
             with managed_worker_targets():
                 super()._start_workers()

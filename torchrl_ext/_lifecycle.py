@@ -36,6 +36,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any, Protocol
 
+from . import _platform
+
 __all__ = ["close_all", "live_envs", "register", "unregister"]
 
 log = logging.getLogger("torchrl_ext")
@@ -50,36 +52,47 @@ class _Closable(Protocol):
 
 
 _lock = threading.RLock()
-_live: dict[int, tuple[weakref.ref[Any], bool]] = {}
+_live: dict[int, tuple[weakref.ref[Any], bool, bool]] = {}
+_subreaper_ours = False
 _atexit_installed = False
 _previous_handlers: dict[int, Any] = {}
 _in_handler = False
 
 
-def register(env: _Closable, handle_signals: bool) -> None:
+def register(env: _Closable, handle_signals: bool, reap_orphans: bool = False) -> None:
     """Track an env that just started its workers."""
-    global _atexit_installed
+    global _atexit_installed, _subreaper_ours
     with _lock:
-        _live[id(env)] = (weakref.ref(env), handle_signals)
+        _live[id(env)] = (weakref.ref(env), handle_signals, reap_orphans)
         if not _atexit_installed:
             atexit.register(_at_exit)
             _atexit_installed = True
         if handle_signals:
             _install_signal_handlers()
+        if reap_orphans and not _subreaper_ours and not _platform.is_child_subreaper():
+            # Orphans of a worker that died come to us (and are reaped by the supervisor)
+            # instead of to PID 1, which in many containers never reaps them.
+            _subreaper_ours = _platform.set_child_subreaper(True)
 
 
 def unregister(env: _Closable) -> None:
-    """Forget an env that closed; the last signal-handling env restores the handlers."""
+    """Forget an env that closed; the last one restores the handlers and the subreaper flag."""
+    global _subreaper_ours
     with _lock:
         _live.pop(id(env), None)
-        if not any(handles for _ref, handles in _live.values()):
+        if not any(handles for _ref, handles, _reap in _live.values()):
             _restore_signal_handlers()
+        if _subreaper_ours and not any(reap for _ref, _handles, reap in _live.values()):
+            # While set, orphans of unrelated grandchildren come to us too; keep that window
+            # to the time managed envs are open.
+            _platform.set_child_subreaper(False)
+            _subreaper_ours = False
 
 
 def live_envs() -> list[_Closable]:
     """Open envs, most recently started last."""
     with _lock:
-        envs = [ref() for ref, _handles in _live.values()]
+        envs = [entry[0]() for entry in _live.values()]
     return [env for env in envs if env is not None]
 
 
@@ -150,7 +163,8 @@ def _chain(previous: Any, signum: int, frame: FrameType | None) -> None:
 
 def _forget_in_child() -> None:
     """A forked child (a worker, a DataLoader worker) does not own the parent's envs."""
-    global _atexit_installed
+    global _subreaper_ours
+    _subreaper_ours = False  # PR_SET_CHILD_SUBREAPER is not inherited
     _live.clear()
     for sig, previous in list(_previous_handlers.items()):
         try:
