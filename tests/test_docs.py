@@ -123,9 +123,7 @@ def test_python_block_runs(block: CodeBlock, tmp_path: Path) -> None:
         )
         closes = ".close()" in block.code or "closing(" in block.code
         closes = closes or re.search(r"with\s+(Managed)?ParallelEnv\s*\(", block.code) is not None
-        assert closes, (
-            f"{block.name}: a block that starts a ParallelEnv must close it"
-        )
+        assert closes, f"{block.name}: a block that starts a ParallelEnv must close it"
     script = tmp_path / "block.py"
     script.write_text(block.code, encoding="utf-8")
     report = tmp_path / "harness.json"
