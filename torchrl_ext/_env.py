@@ -244,7 +244,7 @@ class ManagedParallelEnv(ParallelEnv):
         processes: list[Any] = self._workers
         channels: list[Any] = self.parent_channels
         self.parent_channels = supervisor.attach(processes, channels)
-        self._workers = SupervisedWorkers(processes, supervisor.raise_if_failed)
+        self._workers = SupervisedWorkers(processes, supervisor.raise_known_failure)
         state.worker_pids = [p.pid for p in processes]
         state.supervisor = supervisor
         log.debug("%s started %d workers: %s", label, len(self._workers), state.worker_pids)
@@ -280,11 +280,10 @@ class ManagedParallelEnv(ParallelEnv):
     def _supervised(self) -> Iterator[None]:
         state: _ManagedState = self.__dict__["_trx"]
         supervisor = state.supervisor
-        if supervisor is not None:
-            try:
-                supervisor.raise_if_failed()
-            except BaseException as failure:
-                _raise_failure(failure)
+        # Hot path: no system call. A death the watcher thread has not handled yet surfaces
+        # through TorchRL's own wait loop, which lands in _shutdown_workers below.
+        if supervisor is not None and supervisor.first_failure is not None:
+            _raise_failure(supervisor.first_failure)
         try:
             yield
         except Exception as err:

@@ -305,6 +305,12 @@ class WorkerSupervisor:
         if failure is not None:
             raise failure
 
+    def raise_known_failure(self) -> None:
+        """Raise the first failure the watcher thread has handled; no system call."""
+        failure = self.first_failure
+        if failure is not None:
+            raise failure
+
     def wait_for_failure(self, timeout: float) -> BaseException | None:
         """Wait up to ``timeout`` seconds for a worker death to be noticed."""
         deadline = time.monotonic() + timeout
