@@ -207,8 +207,8 @@ class ManagedParallelEnv(ParallelEnv):
             raise DaemonicParentError(current.name)
         tag = new_env_tag()
         label = f"ManagedParallelEnv[{tag.env_id}]"
-        supervisor = WorkerSupervisor(tag, state.shutdown_timeout, label)
         fifo = _lifeline.acquire()
+        supervisor = WorkerSupervisor(tag, state.shutdown_timeout, label, base_dir=os.path.dirname(fifo))
         start_method = _start_method(self._mp_start_method)
         arm_pdeathsig = start_method == "forkserver" or threading.current_thread() is threading.main_thread()
         me = psutil.Process()

@@ -21,6 +21,7 @@ from typing import Any
 
 import cloudpickle
 import psutil
+import torch
 from torchrl.envs import EnvBase, batched_envs
 from torchrl.envs.env_creator import EnvCreator
 
@@ -38,6 +39,9 @@ _swap_lock = threading.Lock()
 def _metadata_main(conn: Any, payload: bytes, config: WorkerConfig) -> None:
     """Runs in the child: build the env, send its metadata, end everything it started."""
     prepare_process(config)
+    # A forked child of a process that already ran multithreaded torch ops can deadlock in the
+    # thread pool it inherited; one thread is plenty to build an env and read its specs.
+    torch.set_num_threads(1)
     # Plain pickle, by value: torch's multiprocessing reducers would share tensors through a
     # server thread in this process, which exits right after sending.
     try:

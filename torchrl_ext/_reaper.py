@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 import sys
 import time
@@ -35,6 +36,7 @@ log = logging.getLogger("torchrl_ext.reaper")
 
 class Reaper:
     def __init__(self, owner_pid: int, owner_ctime: float, fifo_path: str) -> None:
+        self.fifo_path = fifo_path
         self.owner_pid = owner_pid
         self.owner_ctime = owner_ctime
         self.fifo_fd = os.open(fifo_path, os.O_RDWR | os.O_NONBLOCK)
@@ -165,6 +167,8 @@ class Reaper:
                         self.owner_pid,
                         killed,
                     )
+                # The owner's temporary directory (this FIFO, the workers' error reports).
+                shutil.rmtree(os.path.dirname(self.fifo_path), ignore_errors=True)
                 return 0
             events = poller.poll(interval * 1000)
             for fd, _ev in events:

@@ -137,12 +137,13 @@ class _Worker:
 class WorkerSupervisor:
     """Supervises the workers of one start of a ManagedParallelEnv."""
 
-    def __init__(self, tag: Tag, shutdown_timeout: float, label: str) -> None:
+    def __init__(self, tag: Tag, shutdown_timeout: float, label: str, base_dir: str | None = None) -> None:
         self.tag = tag
         self.owner_pid = os.getpid()
         self.shutdown_timeout = shutdown_timeout
         self.label = label
-        self.report_dir = tempfile.mkdtemp(prefix="torchrl_ext-reports-")
+        # Inside the reaper's directory when there is one: the reaper removes it if we die.
+        self.report_dir = tempfile.mkdtemp(prefix="reports-", dir=base_dir)
         self._workers: list[_Worker] = []
         self._lock = threading.RLock()
         self._failure_seen = threading.Event()

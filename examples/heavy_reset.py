@@ -1,0 +1,130 @@
+"""Demo: env workers that load a log file per reset through a persistent DataLoader.
+
+The env (``LogReplayEnv`` from ``examples/log_replay.py``) replays one logged episode per
+reset. Its episodes come from ``torchrl_ext.data.EpisodeLoader``: a DataLoader with
+``num_workers=2`` inside every env worker, which reads and parses the next files while the
+current episode runs. Upstream ``ParallelEnv`` workers are daemonic and may not start those
+DataLoader workers; ``ManagedParallelEnv(..., daemon_workers=False)`` allows it and, on
+``close()``, ends every process of the tree. The demo prints the throughput, what closing took,
+and checks that no process was left behind (exit code 1 if one was).
+
+    python examples/heavy_reset.py            # under a minute on 2 cores
+    python examples/heavy_reset.py --quick    # about 15 seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import log_replay  # examples/ is on sys.path when this file runs as a script
+
+from torchrl_ext import ManagedParallelEnv
+from torchrl_ext._sweep import leftover_processes
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--envs", type=int, default=2, help="env worker processes")
+    p.add_argument("--loader-workers", type=int, default=2, help="DataLoader workers per env")
+    p.add_argument("--episode-len", type=int, default=400, help="mean steps per episode")
+    p.add_argument("--file-mb", type=float, default=3.0, help="size of one log file, MB")
+    p.add_argument("--files", type=int, default=8, help="number of log files to generate")
+    p.add_argument("--frames", type=int, default=None, help="frames to collect (all envs together)")
+    p.add_argument(
+        "--start-method",
+        default="fork" if sys.platform.startswith("linux") else "spawn",
+        choices=["fork", "forkserver", "spawn"],
+        help="for the env workers and the DataLoader workers",
+    )
+    p.add_argument("--profile", default="local", choices=sorted(log_replay.PROFILES))
+    p.add_argument("--quick", action="store_true", help="smaller files, fewer frames (CI)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.file_mb = min(args.file_mb, 1.0)
+        args.files = min(args.files, 4)
+        args.episode_len = min(args.episode_len, 200)
+    if args.frames is None:
+        args.frames = 2_000 if args.quick else 12_000
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="torchrl_ext-heavy-reset-"))
+    try:
+        return run(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, tmp: Path) -> int:
+    t = time.perf_counter()
+    paths = log_replay.generate_logs(
+        tmp / "logs", args.files, episode_len=args.episode_len, file_mb=args.file_mb, length_jitter=0.25
+    )
+    size = sum(p.stat().st_size for p in paths) / 1e6
+    print(f"generated {len(paths)} log files ({size:.1f} MB) in {time.perf_counter() - t:.1f}s")
+    stats = tmp / "stats"
+    stats.mkdir()
+    make_env = functools.partial(
+        log_replay.LogReplayEnv,
+        [str(p) for p in paths],
+        "episode_loader",
+        args.profile,
+        num_workers=args.loader_workers,
+        mp_context=args.start_method,
+        stats_dir=str(stats),
+    )
+    t = time.perf_counter()
+    env = ManagedParallelEnv(args.envs, make_env, daemon_workers=False, mp_start_method=args.start_method)
+    try:
+        env.set_seed(0)
+        td = env.reset()
+        startup = time.perf_counter() - t
+        print(
+            f"started {args.envs} env workers, each with an EpisodeLoader of "
+            f"{args.loader_workers} DataLoader workers ({args.start_method}), in {startup:.1f}s"
+        )
+        frames = 0
+        t = time.perf_counter()
+        while frames < args.frames:
+            td.set("action", env.action_spec.rand())
+            _, td = env.step_and_maybe_reset(td)
+            frames += args.envs
+        elapsed = time.perf_counter() - t
+    finally:
+        t_close = time.perf_counter()
+        env.close()
+        close_s = time.perf_counter() - t_close
+    resets = [float(v) for f in stats.glob("resets-*.txt") for v in f.read_text().split()[1:]]
+    print(f"env frames/s: {frames / elapsed:,.0f} ({frames} frames in {elapsed:.1f}s)")
+    if resets:
+        p95 = sorted(resets)[int(0.95 * (len(resets) - 1))]
+        print(
+            f"reset latency inside the env: p50 {statistics.median(resets) * 1e3:.1f} ms, "
+            f"p95 {p95 * 1e3:.1f} ms over {len(resets)} resets"
+        )
+    print(f"close() took {close_s:.2f}s")
+    print(env.supervision_report)
+    leftovers = leftover_processes()
+    deadline = time.monotonic() + 2.0
+    while leftovers and time.monotonic() < deadline:
+        time.sleep(0.05)
+        leftovers = leftover_processes()
+    if leftovers:
+        print(f"LEAKED {len(leftovers)} process(es): {[p.pid for p in leftovers]}")
+        return 1
+    print("nothing leaked: no env worker or DataLoader worker process is left")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
