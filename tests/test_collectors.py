@@ -14,8 +14,6 @@ import functools
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,7 +23,7 @@ import pytest
 import torch
 
 from tests.collector_scenarios import check_toy_batch, collector_classes, make_managed_env, make_policy
-from tests.conftest import ROOT, Scenario, ScenarioResult
+from tests.conftest import Scenario, ScenarioResult
 from torchrl_ext import DaemonicParentError
 from torchrl_ext._compat import HAS_DAEMON_KWARG
 
@@ -108,26 +106,10 @@ def test_multi_collector_workers_build_managed_envs(
 class CollectorScenario(Scenario):
     """``Scenario`` running ``tests.collector_scenarios`` instead of ``tests.scenarios``."""
 
-    def start(self, name: str, *args: str, linger: float = 10.0) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        cmd = [
-            sys.executable,
-            str(ROOT / "tests" / "harness.py"),
-            str(self.out),
-            str(linger),
-            "--",
-            sys.executable,
-            "-m",
-            "tests.collector_scenarios",
-            name,
-            "--ready",
-            str(self.ready_file),
-            *args,
-        ]
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+    def start(
+        self, name: str, *args: str, linger: float = 10.0, module: str = "tests.collector_scenarios"
+    ) -> None:
+        super().start(name, *args, linger=linger, module=module)
 
 
 @pytest.fixture
