@@ -3,7 +3,7 @@
 PYTHON ?= python3
 TORCH := torch==2.13.0
 TORCHRL := torchrl==0.14.1
-TORCHRL_OLD := torchrl==0.10.1 tensordict>=0.10,<0.11
+TORCHRL_OLD := "torchrl==0.10.1" "tensordict>=0.10,<0.11"
 PIP_FLAGS := -q --disable-pip-version-check
 # Every test run carries this tag; the leak fixture looks for processes that inherited it.
 export TORCHRL_EXT_TEST_SESSION ?= make-$(shell date +%s)-$$PPID
@@ -19,8 +19,8 @@ export TORCHRL_EXT_TEST_SESSION ?= make-$(shell date +%s)-$$PPID
 .venv-torchrl010/.ready: pyproject.toml Makefile
 	test -x .venv-torchrl010/bin/python || $(PYTHON) -m venv .venv-torchrl010
 	.venv-torchrl010/bin/pip install $(PIP_FLAGS) $(TORCH)
-	.venv-torchrl010/bin/pip install $(PIP_FLAGS) $(TORCHRL_OLD) pytest pytest-timeout -e . --no-deps
-	.venv-torchrl010/bin/pip install $(PIP_FLAGS) psutil numpy
+	.venv-torchrl010/bin/pip install $(PIP_FLAGS) $(TORCHRL_OLD) psutil numpy pytest pytest-timeout
+	.venv-torchrl010/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	touch $@
 
 demo: .venv/.ready
