@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["acquire", "fifo_path", "notify_watch", "release", "send"]
+__all__ = ["acquire", "notify_watch", "release", "send"]
 
 log = logging.getLogger("torchrl_ext")
 
@@ -135,13 +135,3 @@ def notify_watch(fifo: str, pid: int, ctime: float, pgid: int) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def fifo_path() -> str | None:
-    with _lock:
-        return None if _handle is None else _handle.fifo
-
-
-def reaper_pid() -> int | None:
-    with _lock:
-        return None if _handle is None else _handle.pid

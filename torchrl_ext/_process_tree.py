@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 from collections.abc import Iterable
 
 import psutil
@@ -154,14 +153,3 @@ def _name(proc: psutil.Process) -> str:
         return repr(proc.name())
     except psutil.Error:
         return "'?'"
-
-
-def wait_until(predicate: object, timeout: float, interval: float = 0.01) -> bool:
-    """Poll ``predicate()`` until true or ``timeout`` seconds pass. Returns the last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():  # type: ignore[operator]
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
