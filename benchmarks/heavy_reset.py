@@ -41,11 +41,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from _machine import is_helper, system_busy, wait_for_quiet
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 RESULTS = ROOT / "benchmarks" / "results"
-HELPER_MARKERS = ("resource_tracker", "_reaper.py", "multiprocessing.forkserver")
 
 
 @dataclass(frozen=True)
@@ -86,12 +86,6 @@ TARGETS = (
 
 
 # ============================================================================ child process
-def _is_helper(proc: psutil.Process) -> bool:
-    try:
-        cmd = " ".join(proc.cmdline())
-    except psutil.Error:
-        return True
-    return any(marker in cmd for marker in HELPER_MARKERS)
 
 
 def _cpu_by_role() -> dict[str, float]:
@@ -100,7 +94,7 @@ def _cpu_by_role() -> dict[str, float]:
     own = me.cpu_times()
     roles = {"main": own.user + own.system, "workers": 0.0, "loaders": 0.0}
     for child in me.children():
-        if _is_helper(child):
+        if is_helper(child):
             continue
         try:
             times = child.cpu_times()
@@ -116,30 +110,11 @@ def _cpu_by_role() -> dict[str, float]:
     return roles
 
 
-def _system_busy() -> float:
-    """CPU seconds the whole machine has been busy (all cores, everything but idle)."""
-    t = psutil.cpu_times()
-    return float(
-        sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
-    )
-
-
-def wait_for_quiet(limit: float = 0.3, max_wait: float = 30.0) -> float:
-    """Wait (up to ``max_wait`` s) until other jobs use less than ``limit`` cores; return their load."""
-    deadline = time.monotonic() + max_wait
-    while True:
-        before, t = _system_busy(), time.monotonic()
-        time.sleep(0.5)
-        load = (_system_busy() - before) / (time.monotonic() - t)
-        if load < limit or time.monotonic() > deadline:
-            return load
-
-
 def _alive_children() -> list[psutil.Process]:
     out = []
     for proc in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            if proc.status() != psutil.STATUS_ZOMBIE and not _is_helper(proc):
+            if proc.status() != psutil.STATUS_ZOMBIE and not is_helper(proc):
                 out.append(proc)
     return out
 
@@ -178,7 +153,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         env.set_seed(int(spec["seed"]))
         td = env.reset()
         startup = time.perf_counter() - t0
-        cpu0, busy0 = _cpu_by_role(), _system_busy()
+        cpu0, busy0 = _cpu_by_role(), system_busy()
         t1 = time.perf_counter()
         frames = 0
         while frames < spec["frames"]:
@@ -186,7 +161,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
             _, td = env.step_and_maybe_reset(td)
             frames += n
         wall = time.perf_counter() - t1
-        cpu1, busy1 = _cpu_by_role(), _system_busy()
+        cpu1, busy1 = _cpu_by_role(), system_busy()
     except BaseException:
         env.close()
         raise

@@ -37,6 +37,7 @@ from typing import Any
 
 import psutil
 import torch
+from _machine import is_helper, system_busy, wait_for_quiet
 from tensordict import TensorDict
 from torch.utils.data import DataLoader, Dataset
 from torchrl.data import Bounded, Composite, Unbounded
@@ -45,7 +46,6 @@ from torchrl.envs import EnvBase
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 CLASSES = ("upstream", "managed")
-HELPER_MARKERS = ("resource_tracker", "_reaper.py", "multiprocessing.forkserver")
 
 
 # ================================================================= the env (importable by reference)
@@ -130,12 +130,6 @@ def make_trivial_env(loader: bool = False) -> TrivialEnv:
 
 
 # ============================================================================ child trials
-def _is_helper(proc: psutil.Process) -> bool:
-    try:
-        cmd = " ".join(proc.cmdline())
-    except psutil.Error:
-        return True
-    return any(marker in cmd for marker in HELPER_MARKERS)
 
 
 def _alive(procs: Sequence[psutil.Process]) -> list[psutil.Process]:
@@ -175,13 +169,6 @@ def _rollout(env: Any, steps: int) -> None:
         _, td = env.step_and_maybe_reset(td)
 
 
-def _system_busy() -> float:
-    """CPU seconds the whole machine has been busy (all cores, everything but idle)."""
-    t = psutil.cpu_times()
-    idle = t.idle + getattr(t, "iowait", 0.0) + getattr(t, "guest", 0.0) + getattr(t, "guest_nice", 0.0)
-    return float(sum(t) - idle)
-
-
 def _tree_cpu() -> float:
     total = 0.0
     for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
@@ -191,26 +178,15 @@ def _tree_cpu() -> float:
     return total
 
 
-def wait_for_quiet(limit: float, max_wait: float = 30.0) -> float:
-    """Wait (up to ``max_wait`` s) until other jobs use less than ``limit`` cores."""
-    deadline = time.monotonic() + max_wait
-    while True:
-        before, t = _system_busy(), time.monotonic()
-        time.sleep(0.5)
-        load = (_system_busy() - before) / (time.monotonic() - t)
-        if load < limit or time.monotonic() > deadline:
-            return load
-
-
 def trial_throughput(kind: str, steps: int, workers: int) -> dict[str, Any]:
     env = _build(kind, loader=False, workers=workers)
     try:
         _rollout(env, 300)  # warm-up
-        busy, mine = _system_busy(), _tree_cpu()
+        busy, mine = system_busy(), _tree_cpu()
         t = time.perf_counter()
         _rollout(env, steps)
         elapsed = time.perf_counter() - t
-        external = (_system_busy() - busy - (_tree_cpu() - mine)) / elapsed
+        external = (system_busy() - busy - (_tree_cpu() - mine)) / elapsed
     finally:
         env.close()
     return {"steps_per_s": steps / elapsed, "external_cores": max(0.0, external)}
@@ -333,7 +309,7 @@ def _strays(before: set[int]) -> list[psutil.Process]:
         if proc.pid in before or proc.pid == os.getpid():
             continue
         with contextlib.suppress(psutil.Error):
-            if proc.environ().get("TORCHRL_EXT_BENCH_RUN") == RUN_TAG and not _is_helper(proc):
+            if proc.environ().get("TORCHRL_EXT_BENCH_RUN") == RUN_TAG and not is_helper(proc):
                 out.append(proc)
     return out
 
