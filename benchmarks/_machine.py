@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import psutil
@@ -35,3 +36,17 @@ def wait_for_quiet(limit: float = 0.3, max_wait: float = 30.0) -> float:
         load = (system_busy() - before) / (time.monotonic() - t)
         if load < limit or time.monotonic() > deadline:
             return load
+
+
+def kill_tree(pid: int) -> int:
+    """SIGKILL ``pid`` and every descendant, wait for them; returns how many there were."""
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.Error:
+        return 0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(procs, timeout=10)
+    return len(procs)

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from _machine import is_helper, system_busy, wait_for_quiet
+from _machine import is_helper, kill_tree, system_busy, wait_for_quiet
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -242,18 +242,6 @@ class TreeMonitor:
             self._stop.wait(self.interval)
 
 
-def _kill_tree(pid: int) -> None:
-    try:
-        root = psutil.Process(pid)
-        procs = [*root.children(recursive=True), root]
-    except psutil.Error:
-        return
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    psutil.wait_procs(procs, timeout=10)
-
-
 def run_one(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Run one configuration in a fresh interpreter and sample its process tree meanwhile."""
     out_path = Path(spec["stats_dir"]) / "result.json"
@@ -266,7 +254,7 @@ def run_one(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
         try:
             _, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_tree(proc.pid)
+            kill_tree(proc.pid)
             proc.communicate()
             return {"error": f"timed out after {timeout:.0f}s"}
     if proc.returncode != 0 or not out_path.exists():

@@ -37,7 +37,7 @@ from typing import Any
 
 import psutil
 import torch
-from _machine import is_helper, system_busy, wait_for_quiet
+from _machine import is_helper, kill_tree, system_busy, wait_for_quiet
 from tensordict import TensorDict
 from torch.utils.data import DataLoader, Dataset
 from torchrl.data import Bounded, Composite, Unbounded
@@ -289,17 +289,6 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # ============================================================================ parent side
-def _kill_tree(pid: int) -> int:
-    try:
-        root = psutil.Process(pid)
-        procs = [*root.children(recursive=True), root]
-    except psutil.Error:
-        return 0
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    psutil.wait_procs(procs, timeout=10)
-    return len(procs)
 
 
 def _strays(before: set[int]) -> list[psutil.Process]:
@@ -333,7 +322,7 @@ def run_trial(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
         try:
             _, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_tree(proc.pid)
+            kill_tree(proc.pid)
             proc.communicate()
             return {"failed": f"timed out after {timeout:.0f}s"}
         if proc.returncode != 0 or not out.exists():
