@@ -124,6 +124,21 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     pytest.fail(message)
 
 
+def kill_tree(pid: int, timeout: float = 10.0) -> None:
+    """SIGKILL ``pid`` and every descendant, and wait up to ``timeout`` s for them."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=timeout)
+
+
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -224,17 +239,7 @@ class Scenario:
     def kill(self) -> None:
         if self.proc is None:
             return
-        try:
-            parent = psutil.Process(self.proc.pid)
-            procs = [parent, *parent.children(recursive=True)]
-        except psutil.Error:
-            procs = []
-        for proc in procs:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(procs, timeout=5)
+        kill_tree(self.proc.pid, timeout=5.0)
         self.proc.wait()
 
 

@@ -26,10 +26,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 
 import torchrl_ext
+from tests.conftest import kill_tree
 from torchrl_ext import _errors
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,20 +99,6 @@ def test_docs_have_runnable_examples() -> None:
     assert {"README.md", "quickstart.md", "troubleshooting.md"} <= names, names
 
 
-def _kill_tree(pid: int) -> None:
-    try:
-        root = psutil.Process(pid)
-        procs = [*root.children(recursive=True), root]
-    except psutil.Error:
-        return
-    for proc in procs:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=10)
-
-
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[b.name for b in PYTHON_BLOCKS])
 def test_python_block_runs(block: CodeBlock, tmp_path: Path) -> None:
     starts_env = re.search(r"\b(Managed)?ParallelEnv\s*\(", block.code) is not None
@@ -136,7 +122,7 @@ def test_python_block_runs(block: CodeBlock, tmp_path: Path) -> None:
     try:
         out, err = proc.communicate(timeout=BLOCK_TIMEOUT + BLOCK_LINGER + 10)
     except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
         out, err = proc.communicate()
         pytest.fail(f"{block.name} did not finish within {BLOCK_TIMEOUT:.0f}s\n{out}\n{err[-4000:]}")
     assert proc.returncode == 0, f"harness failed ({proc.returncode}):\n{err[-4000:]}"
