@@ -14,15 +14,10 @@ Run it:
     python examples/ray_scale_out.py                    # local Ray instance, all cores
     python examples/ray_scale_out.py --address auto     # an existing cluster (see below)
 
-On a real cluster start every node with Ray's child-process killing switched off, so that
-``ray.kill()`` of an actor leaves torchrl_ext's external reaper alive to end the actor's env
-workers and everything they started (see docs/scale-out.md)::
-
-    RAY_kill_child_processes_on_worker_exit=0 ray start --head          # head node
-    RAY_kill_child_processes_on_worker_exit=0 ray start --address HEAD:6379   # other nodes
-
-For a local instance this script sets that variable itself before ``ray.init``. The env code
-below lives in this script; Ray ships it to the actors by value. With ``--start-method
+Ray's default settings are fine: when ``ray.kill()`` ends an actor, Ray kills the actor's
+direct children (the env workers) and torchrl_ext's external reaper, which is not one of them,
+ends everything they started (see docs/scale-out.md). The env code below lives in this
+script; Ray ships it to the actors by value. With ``--start-method
 forkserver`` or ``spawn`` the env workers' DataLoaders re-import it, so put the env in a
 module installed on every node instead.
 """
@@ -46,7 +41,6 @@ from torchrl_ext import ManagedParallelEnv
 
 OBS = 4
 EPISODE_LEN = 5
-KILL_CHILDREN_VAR = "RAY_kill_child_processes_on_worker_exit"
 
 
 class Episodes(Dataset):  # type: ignore[type-arg]
@@ -165,7 +159,6 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.monotonic()
     if args.address is None:
-        os.environ.setdefault(KILL_CHILDREN_VAR, "0")  # inherited by the local raylet and workers
         num_cpus = args.num_cpus or (collectors if quick else os.cpu_count())
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=not quick)
     else:

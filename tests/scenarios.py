@@ -110,6 +110,15 @@ def main() -> int:
     if args.name == "sys_exit":
         _ready(args.ready, workers=ENV.worker_pids)
         sys.exit(3)
+    if args.name == "kill_children_then_exit":
+        # What Ray does to an actor by default (kill_child_processes_on_worker_exit): SIGKILL
+        # every direct child, then leave without any cleanup.
+        import psutil
+
+        _ready(args.ready, workers=ENV.worker_pids)
+        for child in psutil.Process().children():
+            child.kill()
+        os._exit(1)
     if args.name in ("rollout_forever", "user_handler"):
         _ready(args.ready, workers=ENV.worker_pids)
         while True:

@@ -126,17 +126,7 @@ def collector_scenario(tmp_path: Path) -> Iterator[CollectorScenario]:
     [
         ("multisync", "spawn"),
         ("multiasync", "spawn"),
-        pytest.param(
-            "multisync",
-            "fork",
-            marks=pytest.mark.xfail(
-                NEW_COLLECTORS,
-                reason="TorchRL 0.14 limitation: a forked collector worker keeps the parent's end of "
-                "its pipe, never sees EOF when the training process dies, and keeps its env alive "
-                "(TorchRL 0.10's forked workers do exit)",
-                strict=True,
-            ),
-        ),
+        ("multisync", "fork"),
     ],
 )
 def test_sigkill_of_training_process_leaves_nothing(
@@ -144,7 +134,8 @@ def test_sigkill_of_training_process_leaves_nothing(
 ) -> None:
     """main -> 2 collector workers -> 2 env workers each -> 2 DataLoader workers each. Collector
     workers started by spawn (TorchRL's default) exit when their pipe to main breaks and close
-    their env; the env's tree goes with it."""
+    their env; forked ones never see that on TorchRL 0.14 (they hold both ends of the pipe), so
+    the env's parent watch (``exit_with_parent``) ends them. The env trees go with them."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     collector_scenario.start(kind, "--collector-method", method, "--pid-dir", str(pid_dir), linger=LINGER)

@@ -148,6 +148,23 @@ def _wait_for(predicate: Callable[[], bool], timeout: float) -> None:
         time.sleep(0.05)
 
 
+def test_direct_children_killed_then_main_exits_leaves_nothing(scenario: Scenario, tmp_path: Path) -> None:
+    """Ray's default on ``ray.kill(actor)``: SIGKILL the actor's direct children, then exit.
+    The reaper is not a direct child (it runs behind a shim), so it still ends the escapees."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    scenario.start(
+        "kill_children_then_exit", "--subprocess", "setsid", "--pid-dir", str(pid_dir), linger=LINGER
+    )
+    scenario.wait_ready()
+    result = scenario.finish(timeout=120)
+    assert result.returncode == 1
+    _assert_nothing_leaked(result)
+    escapees = [int(p.read_text()) for p in pid_dir.glob("sim-*")]
+    assert len(escapees) == 2, "each worker started a setsid simulator"
+    assert not [pid for pid in escapees if _alive(pid)]
+
+
 def test_sigkill_of_main_while_dataloaders_start(scenario: Scenario) -> None:
     scenario.start("kill_during_start", "--method", "fork", "--subprocess", "setsid", linger=LINGER)
     ready = scenario.wait_ready()

@@ -24,6 +24,7 @@ from ._compat import (
     SupervisedWorkers,
     managed_worker_targets,
 )
+from ._done_signal import DEFAULT_SPIN, has_spare_core
 from ._errors import DaemonicParentError, WorkerDiedError
 from ._metadata import metadata_in_subprocess as metadata_in_subprocess_ctx
 from ._supervisor import SupervisionReport, WorkerSupervisor
@@ -41,12 +42,21 @@ class _ManagedState:
     """Our per-env state, kept in one ``__dict__`` entry (see the ``__getattr__`` trap)."""
 
     def __init__(
-        self, daemon_workers: bool, shutdown_timeout: float, handle_signals: bool, reap_orphans: bool
+        self,
+        daemon_workers: bool,
+        shutdown_timeout: float,
+        handle_signals: bool,
+        reap_orphans: bool,
+        spin_wait: float | None = None,
+        exit_with_parent: bool | None = None,
     ):
         self.daemon_workers = daemon_workers
         self.shutdown_timeout = shutdown_timeout
         self.handle_signals = handle_signals
         self.reap_orphans = reap_orphans
+        self.spin_wait = spin_wait
+        self.spin = 0.0
+        self.exit_with_parent = exit_with_parent
         self.supervisor: WorkerSupervisor | None = None
         self.report: SupervisionReport | None = None
         self.closing = False
@@ -56,7 +66,14 @@ class _ManagedState:
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             _ManagedState,
-            (self.daemon_workers, self.shutdown_timeout, self.handle_signals, self.reap_orphans),
+            (
+                self.daemon_workers,
+                self.shutdown_timeout,
+                self.handle_signals,
+                self.reap_orphans,
+                self.spin_wait,
+                self.exit_with_parent,
+            ),
         )
 
 
@@ -117,6 +134,15 @@ class ManagedParallelEnv(ParallelEnv):
         metadata_in_subprocess: build the env TorchRL uses to read specs in a supervised
             one-shot process instead of the main process (default: when
             ``daemon_workers=False``), so its children cannot outlive it.
+        spin_wait: TorchRL >= 0.11 spin-polls for the workers' results, holding a core for
+            the whole step; a managed env sleeps until they arrive, after spinning at most
+            ``spin_wait`` seconds, and only while recent steps took no longer than that.
+            ``None`` (default): 250 microseconds; ``0``: never spin;
+            ``float("inf")``: TorchRL's own wait.
+        exit_with_parent: when the process that started this one through ``multiprocessing``
+            dies (the training process of a collector worker), close the envs and end this
+            process with SIGTERM. ``None`` (default): when this process was started by
+            ``multiprocessing``; a top-level program is never affected.
         **kwargs: everything ``torchrl.envs.ParallelEnv`` accepts.
 
     Example:
@@ -144,12 +170,18 @@ class ManagedParallelEnv(ParallelEnv):
         handle_signals: bool = True,
         reap_orphans: bool = True,
         metadata_in_subprocess: bool | None = None,
+        spin_wait: float | None = None,
+        exit_with_parent: bool | None = None,
         **kwargs: Any,
     ) -> None:
         if shutdown_timeout <= 0:
             raise ValueError(f"shutdown_timeout must be positive, got {shutdown_timeout!r}")
+        if spin_wait is not None and not spin_wait >= 0:
+            raise ValueError(f"spin_wait must be None or >= 0 seconds, got {spin_wait!r}")
         resolved = _resolve_daemon(daemon_workers, daemon)
-        self.__dict__["_trx"] = _ManagedState(resolved, float(shutdown_timeout), handle_signals, reap_orphans)
+        self.__dict__["_trx"] = _ManagedState(
+            resolved, float(shutdown_timeout), handle_signals, reap_orphans, spin_wait, exit_with_parent
+        )
         if HAS_DAEMON_KWARG:
             kwargs["daemon"] = resolved
         if HAS_SHUTDOWN_TIMEOUT_KWARG:
@@ -226,11 +258,15 @@ class ManagedParallelEnv(ParallelEnv):
                     owner_create_time=owner_ctime,
                     report_path=supervisor.report_path(i),
                     reaper_fifo=fifo,
+                    done_fifo=None if state.spin_wait == float("inf") else supervisor.done_signal.path,
                 ),
             )
             for i, fn in enumerate(user_fns)
         ]
-        _lifecycle.register(self, state.handle_signals, state.reap_orphans)
+        exit_with_parent = state.exit_with_parent
+        if exit_with_parent is None:
+            exit_with_parent = _lifecycle.multiprocessing_parent() is not None
+        _lifecycle.register(self, state.handle_signals, state.reap_orphans, exit_with_parent)
         try:
             with managed_worker_targets():
                 super()._start_workers()
@@ -246,6 +282,8 @@ class ManagedParallelEnv(ParallelEnv):
         self.parent_channels = supervisor.attach(processes, channels)
         self._workers = SupervisedWorkers(processes, supervisor.raise_known_failure)
         state.worker_pids = [p.pid for p in processes]
+        state.spin = DEFAULT_SPIN if state.spin_wait is None else state.spin_wait
+        supervisor.done_signal.spare_core = has_spare_core(len(processes))
         state.supervisor = supervisor
         log.debug("%s started %d workers: %s", label, len(self._workers), state.worker_pids)
 
@@ -296,6 +334,24 @@ class ManagedParallelEnv(ParallelEnv):
             if found is None:
                 raise
             _raise_failure(found)
+
+    def _wait_for_workers(self, workers_range: Any) -> None:
+        state: _ManagedState = self.__dict__["_trx"]
+        supervisor = state.supervisor
+        flags = self.__dict__.get("_shm_done_flags")
+        if (
+            supervisor is None
+            or flags is None
+            or not self.__dict__.get("_use_buffers")
+            or state.spin == float("inf")
+        ):
+            super()._wait_for_workers(workers_range)
+            return
+        indices = self.__dict__.get("_worker_indices")
+        slots = list(workers_range) if indices is None else [indices[i] for i in workers_range]
+        supervisor.done_signal.wait_for(
+            flags, slots, self.BATCHED_PIPE_TIMEOUT, state.spin, supervisor.raise_known_failure
+        )
 
     def _reset(self, tensordict: Any, **kwargs: Any) -> Any:
         with self._supervised():

@@ -13,7 +13,11 @@ shutdown, in this order:
    previous handlers, then behaves as the previous handler would: re-raise the default action
    (the process dies by that signal), raise ``KeyboardInterrupt``, or call the user's handler.
    Signals that were ignored stay ignored; a second signal during the handler skips the close.
-4. The main process dies without running Python code (SIGKILL, OOM killer, native crash): the
+4. The parent of a process that multiprocessing started (a collector worker) dies while
+   envs with ``exit_with_parent`` are open: a watcher thread sends this process SIGTERM, so 3.
+   runs; if the process is still alive ``PARENT_EXIT_GRACE`` seconds later (SIGTERM ignored),
+   SIGKILL, so 5. runs.
+5. The main process dies without running Python code (SIGKILL, OOM killer, native crash): the
    external reaper (``_reaper.py``) sees the owner's pidfd become readable and SIGKILLs every
    recorded worker, group member, snapshot descendant and tagged process; workers armed with
    ``PR_SET_PDEATHSIG`` die by themselves at the same moment.
@@ -27,10 +31,13 @@ from __future__ import annotations
 
 import atexit
 import logging
-import multiprocessing.util  # noqa: F401  (its atexit hook must be registered before ours)
+import multiprocessing
+import multiprocessing.util  # its atexit hook must be registered before ours
 import os
+import select
 import signal
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from types import FrameType
@@ -38,7 +45,7 @@ from typing import Any, Protocol
 
 from . import _platform
 
-__all__ = ["close_all", "live_envs", "register", "unregister"]
+__all__ = ["close_all", "live_envs", "multiprocessing_parent", "register", "unregister"]
 
 log = logging.getLogger("torchrl_ext")
 
@@ -51,19 +58,29 @@ class _Closable(Protocol):
     def _close_for(self, reason: str) -> None: ...
 
 
+#: Seconds between the SIGTERM sent on parent death and the SIGKILL that follows if ignored.
+PARENT_EXIT_GRACE = 30.0
+
 _lock = threading.RLock()
 _live: dict[int, tuple[weakref.ref[Any], bool, bool]] = {}
+_exit_with_parent: set[int] = set()
+_parent_watch: threading.Thread | None = None
 _subreaper_ours = False
 _atexit_installed = False
 _previous_handlers: dict[int, Any] = {}
 _in_handler = False
 
 
-def register(env: _Closable, handle_signals: bool, reap_orphans: bool = False) -> None:
+def register(
+    env: _Closable, handle_signals: bool, reap_orphans: bool = False, exit_with_parent: bool = False
+) -> None:
     """Track an env that just started its workers."""
     global _atexit_installed, _subreaper_ours
     with _lock:
         _live[id(env)] = (weakref.ref(env), handle_signals, reap_orphans)
+        if exit_with_parent:
+            _exit_with_parent.add(id(env))
+            _start_parent_watch()
         if not _atexit_installed:
             atexit.register(_at_exit)
             _atexit_installed = True
@@ -80,6 +97,7 @@ def unregister(env: _Closable) -> None:
     global _subreaper_ours
     with _lock:
         _live.pop(id(env), None)
+        _exit_with_parent.discard(id(env))
         if not any(handles for _ref, handles, _reap in _live.values()):
             _restore_signal_handlers()
         if _subreaper_ours and not any(reap for _ref, _handles, reap in _live.values()):
@@ -161,10 +179,58 @@ def _chain(previous: Any, signum: int, frame: FrameType | None) -> None:
     os.kill(os.getpid(), signum)
 
 
+# --------------------------------------------------------------------------- parent death
+def multiprocessing_parent() -> int | None:
+    """Pid of the process that started this one through ``multiprocessing``, if any."""
+    parent = multiprocessing.parent_process()
+    return None if parent is None else parent.pid
+
+
+def _start_parent_watch() -> None:
+    global _parent_watch
+    parent = multiprocessing_parent()
+    if parent is None or (_parent_watch is not None and _parent_watch.is_alive()):
+        return
+    _parent_watch = threading.Thread(
+        target=_watch_parent, args=(parent,), name="torchrl_ext-parent-watch", daemon=True
+    )
+    _parent_watch.start()
+
+
+def _watch_parent(parent: int) -> None:
+    pidfd = _platform.open_pidfd(parent) if os.getppid() == parent else None
+    if pidfd is not None:
+        try:
+            select.select([pidfd], [], [])
+        finally:
+            os.close(pidfd)
+    else:  # no pidfds: the parent is gone once we have been re-parented
+        while os.getppid() == parent:
+            time.sleep(0.2)
+    with _lock:
+        affected = [key for key, (ref, _h, _r) in _live.items() if key in _exit_with_parent and ref()]
+    if not affected:
+        return
+    me = os.getpid()
+    log.warning(
+        "the parent process (pid %d) of this process (pid %d) died: closing %d managed env(s) and "
+        "ending this process with SIGTERM (exit_with_parent=True)",
+        parent,
+        me,
+        len(live_envs()),
+    )
+    os.kill(me, signal.SIGTERM)
+    time.sleep(PARENT_EXIT_GRACE)  # a grace period, not synchronisation: we are still alive
+    log.warning("process %d ignored SIGTERM after its parent died; sending SIGKILL", me)
+    os.kill(me, signal.SIGKILL)
+
+
 def _forget_in_child() -> None:
     """A forked child (a worker, a DataLoader worker) does not own the parent's envs."""
-    global _subreaper_ours
+    global _subreaper_ours, _parent_watch
     _subreaper_ours = False  # PR_SET_CHILD_SUBREAPER is not inherited
+    _parent_watch = None  # threads are not inherited either
+    _exit_with_parent.clear()
     _live.clear()
     for sig, previous in list(_previous_handlers.items()):
         try:

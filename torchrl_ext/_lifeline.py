@@ -1,7 +1,8 @@
 """Main-process side of the external reaper (see ``_reaper.py``).
 
 One reaper runs per owner process while at least one managed env is open; it is started on
-the first ``acquire()`` and asked to exit on the last ``release()``. Messages go through a
+the first ``acquire()`` and asked to exit on the last ``release()``. ``proc`` is the reaper's
+shim (its parent, our child; see ``_reaper.py``), which exits with the reaper's status. Messages go through a
 FIFO that the main process also holds open, so a worker can report itself before the reaper
 has finished starting and nothing blocks if the reaper is gone.
 """
@@ -12,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +21,8 @@ import threading
 from pathlib import Path
 
 import psutil
+
+from . import _platform
 
 __all__ = ["acquire", "notify_watch", "release", "send"]
 
@@ -59,7 +63,9 @@ class _ReaperHandle:
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            log.warning("torchrl_ext reaper (pid %d) did not exit; killing it", self.proc.pid)
+            log.warning("torchrl_ext reaper (session %d) did not exit; killing it", self.proc.pid)
+            # The shim and the reaper share the session's process group.
+            _platform.kill_process_group(self.proc.pid, signal.SIGKILL)
             self.proc.kill()
             self.proc.wait()
         try:

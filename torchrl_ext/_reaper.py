@@ -13,6 +13,11 @@ snapshots their process trees twice a second. When the owner process dies by any
 
 and repeats until a round finds nothing new. It exits when the owner closes the last env
 (``{"op": "exit"}``) or after the cleanup. See the NOTE in ``docs/design.md``.
+
+The script forks once at start: the parent stays behind as a *shim* that only waits for the
+reaper and exits with its status, so the reaper is not a direct child of the owner. Process
+managers that SIGKILL the direct children of a process that exits (Ray's default
+``kill_child_processes_on_worker_exit``) kill the shim; the reaper lives on to do its work.
 """
 
 from __future__ import annotations
@@ -196,11 +201,29 @@ def _descends(proc: psutil.Process, pid: int) -> bool:
         return True
 
 
+def _stay_behind_as_shim() -> int | None:
+    """Fork; the parent waits for the child and returns its exit code, the child gets None."""
+    pid = os.fork()
+    if pid == 0:
+        return None
+    while True:
+        try:
+            _pid, status = os.waitpid(pid, 0)
+            break
+        except ChildProcessError:
+            return 1
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     # Terminal signals are for the owner; the reaper ends with it, not before it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    shim_code = _stay_behind_as_shim()
+    if shim_code is not None:
+        return shim_code
     owner_pid, owner_ctime, fifo_path = int(argv[1]), float(argv[2]), argv[3]
     return Reaper(owner_pid, owner_ctime, fifo_path).run()
 

@@ -25,6 +25,7 @@ from typing import Any
 import psutil
 
 from . import _lifeline, _platform, _process_tree
+from ._done_signal import DoneSignal
 from ._errors import RemoteTraceback, WorkerDiedError, WorkerEnvError, format_exitcode
 from ._tag import Tag
 
@@ -150,6 +151,8 @@ class WorkerSupervisor:
         self._closing = False
         self._stopped = False
         self._wake_r, self._wake_w = os.pipe()
+        #: Where workers say "done" and where a death wakes the env's waiting main thread.
+        self.done_signal = DoneSignal(os.path.join(self.report_dir, "done.fifo"))
         self._thread: threading.Thread | None = None
         self.first_failure: BaseException | None = None
 
@@ -244,6 +247,7 @@ class WorkerSupervisor:
             if self.first_failure is None:
                 self.first_failure = failure
         self._failure_seen.set()
+        self.done_signal.notify()
 
     def _failure_for(self, worker: _Worker) -> BaseException:
         report = _read_report(self.report_path(worker.index))
@@ -458,6 +462,7 @@ class WorkerSupervisor:
                 os.close(fd)
             except OSError:
                 pass
+        self.done_signal.close()
         shutil.rmtree(self.report_dir, ignore_errors=True)
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import psutil
 
 from . import _lifeline, _platform
+from ._done_signal import NotifyingFlags
 from ._errors import DaemonicWorkerError
 from ._tag import OWNER_VAR, WORKER_VAR
 
@@ -53,6 +54,7 @@ class WorkerConfig:
     owner_create_time: float
     report_path: str
     reaper_fifo: str | None
+    done_fifo: str | None = None
 
 
 class WorkerBootstrap:
@@ -204,6 +206,9 @@ def _run_managed(entry_name: str, kwargs: dict[str, Any]) -> None:
         original(**kwargs)
         return
     prepare_process(config)
+    if config.done_fifo and kwargs.get("shm_done_flags") is not None:
+        # TorchRL >= 0.11 reports "done" through shared flags; wake the sleeping main process too.
+        kwargs["shm_done_flags"] = NotifyingFlags(kwargs["shm_done_flags"], config.done_fifo)
     recorder = _CommandRecorder(kwargs["child_pipe"])
     kwargs["child_pipe"] = recorder
     try:

@@ -1,0 +1,194 @@
+"""Blocking wait for TorchRL's shared-memory "done" flags.
+
+TorchRL >= 0.11 workers report a finished step or reset by writing 1 into a shared byte
+array, and ``ParallelEnv._wait_for_workers`` spin-polls that array: the main process keeps
+one core busy whenever a step is in flight. On a machine with fewer spare cores than busy
+processes (env workers, their DataLoader workers, the main process), that spinning takes
+CPU from the very processes it waits for.
+
+A managed env hands each worker :class:`NotifyingFlags`, which sets the same flag and then
+writes one byte into a FIFO; the main process sleeps on the FIFO (:meth:`DoneSignal.wait_for`).
+Waking a sleeping process costs tens of microseconds, which matters only when the workers
+answer within a few hundred: the main process therefore spins first, up to ``spin`` seconds,
+but only while the recent waits (a moving average) were no longer than that. Steps that take
+longer never spin. The supervisor writes into the same FIFO when a worker dies, so a sleeping
+main process wakes to raise the error.
+
+Ordering: the worker sets its flag *before* writing the byte, and the main process drains
+the FIFO *before* re-reading the flags; a flag that the re-read misses was set after the
+drain, so its byte is still in the FIFO and the next sleep returns at once.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["DEFAULT_SPIN", "DoneSignal", "NotifyingFlags", "has_spare_core"]
+
+#: Longest sleep between checks of the deadline and of worker health.
+_SLICE = 0.5
+#: Default longest spin: a little more than a trivial env's round trip.
+DEFAULT_SPIN = 2.5e-4
+#: Weight of the newest wait in the moving average.
+_ALPHA = 0.1
+#: How late a timed sleep may end (Linux's default timer slack).
+_TIMER_SLACK = 5e-5
+
+
+def has_spare_core(num_workers: int) -> bool:
+    """Whether the main process has a core of its own besides one per worker."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cpus > num_workers
+
+
+class DoneSignal:
+    """The main process's end of the wake-up FIFO of one env start."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        #: Set by the env once it knows its number of workers (see :func:`has_spare_core`).
+        self.spare_core = False
+        os.mkfifo(path, 0o600)
+        # Read-write, so that writers never see "no reader" and the FIFO never reports EOF.
+        self._fd: int | None = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+        #: Moving average of recent waits, in seconds.
+        self.typical_wait = 0.0
+
+    def notify(self) -> None:
+        """Wake a sleeping :meth:`wait_for` (used by the supervisor on a worker death)."""
+        fd = self._fd
+        if fd is None:
+            return
+        try:
+            os.write(fd, b"!")
+        except OSError:  # full: a wake-up is pending anyway
+            pass
+
+    def _drain(self, fd: int) -> None:
+        try:
+            while len(os.read(fd, 4096)) == 4096:
+                pass
+        except BlockingIOError:
+            pass
+
+    def wait_for(
+        self,
+        flags: Any,
+        indices: Sequence[int],
+        timeout: float,
+        spin: float,
+        check: Callable[[], None],
+    ) -> None:
+        """Return once ``flags[i]`` is set for every ``i`` in ``indices``, clearing them.
+
+        ``check`` runs before each sleep and may raise (a dead worker). Raises
+        ``RuntimeError`` like TorchRL's own loop once ``timeout`` seconds have passed.
+        """
+        start = time.perf_counter()
+        expected = self.typical_wait
+        if spin > 0:
+            if expected > spin and self.spare_core:
+                # A long step and a core to spare: sleep through most of it, wake a little
+                # before it usually ends (timer slack included), and spin over the end.
+                fd = self._fd
+                if fd is not None:
+                    self._drain(fd)  # bytes of earlier steps, seen while spinning
+                    select.select([fd], [], [], max(0.0, expected - spin / 2 - _TIMER_SLACK))
+                expected = 0.0
+            if expected <= spin and self._spin(flags, indices, time.perf_counter() + spin):
+                self._record(start)
+                return
+        self._sleep_until_done(flags, indices, timeout, check)
+        self._record(start)
+
+    @staticmethod
+    def _spin(flags: Any, indices: Sequence[int], until: float) -> bool:
+        # Same loop shape as TorchRL's: the clock is read only every 64 passes.
+        passes = 0
+        while True:
+            for i in indices:
+                if not flags[i]:
+                    break
+            else:
+                for i in indices:
+                    flags[i] = 0
+                return True
+            passes += 1
+            if not passes & 63 and time.perf_counter() >= until:
+                return False
+
+    def _record(self, start: float) -> None:
+        # Clipped, so that one slow reset does not turn the next fast steps into sleeps.
+        sample = min(time.perf_counter() - start, 2.0 * self.typical_wait + 1e-3)
+        self.typical_wait += _ALPHA * (sample - self.typical_wait)
+
+    def _sleep_until_done(
+        self, flags: Any, indices: Sequence[int], timeout: float, check: Callable[[], None]
+    ) -> None:
+        fd = self._fd
+        if fd is None:
+            raise RuntimeError("the env's workers were closed while it waited for them")
+        deadline = time.monotonic() + timeout
+        while True:
+            self._drain(fd)
+            if all(flags[i] for i in indices):
+                for i in indices:
+                    flags[i] = 0
+                return
+            check()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeError(
+                    f"Failed to run all workers within the {timeout} sec time limit. This "
+                    "threshold can be increased via the BATCHED_PIPE_TIMEOUT env variable."
+                )
+            try:
+                select.select([fd], [], [], min(remaining, _SLICE))
+            except InterruptedError:  # pragma: no cover - retried by Python since 3.5
+                pass
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+class NotifyingFlags:
+    """Worker side: TorchRL's shared flag array, plus a wake-up byte for the main process."""
+
+    __slots__ = ("_fd", "_flags")
+
+    def __init__(self, flags: Any, path: str) -> None:
+        self._flags = flags
+        self._fd: int | None
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # the main process is gone: nobody to wake
+            self._fd = None
+
+    def __setitem__(self, index: int, value: int) -> None:
+        self._flags[index] = value
+        if value and self._fd is not None:
+            try:
+                os.write(self._fd, b"d")
+            except OSError as err:
+                if err.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    self._fd = None
+
+    def __getitem__(self, index: int) -> Any:
+        return self._flags[index]
+
+    def __len__(self) -> int:
+        return len(self._flags)
