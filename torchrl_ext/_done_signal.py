@@ -6,22 +6,27 @@ one core busy whenever a step is in flight. On a machine with fewer spare cores 
 processes (env workers, their DataLoader workers, the main process), that spinning takes
 CPU from the very processes it waits for.
 
-A managed env hands each worker :class:`NotifyingFlags`, which sets the same flag and then
-writes one byte into a FIFO; the main process sleeps on the FIFO (:meth:`DoneSignal.wait_for`).
+A managed env hands each worker :class:`NotifyingFlags`, which sets the same flag and then,
+if the main process says it is asleep (a byte in a small shared file), writes one byte into a
+FIFO; the main process sleeps on the FIFO (:meth:`DoneSignal.wait_for`).
 Waking a sleeping process costs tens of microseconds, which matters only when the workers
 answer within a few hundred: the main process therefore spins first, up to ``spin`` seconds,
 but only while the recent waits (a moving average) were no longer than that. Steps that take
 longer never spin. The supervisor writes into the same FIFO when a worker dies, so a sleeping
 main process wakes to raise the error.
 
-Ordering: the worker sets its flag *before* writing the byte, and the main process drains
-the FIFO *before* re-reading the flags; a flag that the re-read misses was set after the
-drain, so its byte is still in the FIFO and the next sleep returns at once.
+Ordering: the main process marks itself asleep, drains the FIFO, re-reads the flags, then
+sleeps; a worker sets its flag, then reads the mark, then writes. A flag that the re-read
+misses was set after the drain, so its byte is in the FIFO and the sleep returns at once,
+unless the worker read the mark before the main process's store reached it (the two stores
+and loads are not fenced). That window is a few instructions wide, and the first sleep of a
+wait lasts at most ``_FIRST_SLEEP``, so a missed wake-up costs at most that.
 """
 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import select
 import time
@@ -32,6 +37,8 @@ __all__ = ["DEFAULT_SPIN", "DoneSignal", "NotifyingFlags", "has_spare_core"]
 
 #: Longest sleep between checks of the deadline and of worker health.
 _SLICE = 0.5
+#: First sleep of a wait; later ones double up to ``_SLICE`` (see the module docstring).
+_FIRST_SLEEP = 2e-3
 #: Default longest spin: a little more than a trivial env's round trip.
 DEFAULT_SPIN = 2.5e-4
 #: Weight of the newest wait in the moving average.
@@ -41,9 +48,10 @@ _TIMER_SLACK = 5e-5
 
 
 def has_spare_core(num_workers: int) -> bool:
-    """Whether the main process has a core of its own besides one per worker."""
+    """Whether a core is left for the main process besides one per worker and one for the
+    processes the workers start (loaders): only then may it spin through long steps."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cpus > num_workers
+    return cpus > num_workers + 1
 
 
 class DoneSignal:
@@ -56,6 +64,7 @@ class DoneSignal:
         os.mkfifo(path, 0o600)
         # Read-write, so that writers never see "no reader" and the FIFO never reports EOF.
         self._fd: int | None = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+        self._asleep = _shared_byte(path + ".asleep", create=True)
         #: Moving average of recent waits, in seconds.
         self.typical_wait = 0.0
 
@@ -134,23 +143,27 @@ class DoneSignal:
         if fd is None:
             raise RuntimeError("the env's workers were closed while it waited for them")
         deadline = time.monotonic() + timeout
-        while True:
-            self._drain(fd)
-            if all(flags[i] for i in indices):
-                for i in indices:
-                    flags[i] = 0
-                return
-            check()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RuntimeError(
-                    f"Failed to run all workers within the {timeout} sec time limit. This "
-                    "threshold can be increased via the BATCHED_PIPE_TIMEOUT env variable."
-                )
-            try:
-                select.select([fd], [], [], min(remaining, _SLICE))
-            except InterruptedError:  # pragma: no cover - retried by Python since 3.5
-                pass
+        sleep = _FIRST_SLEEP
+        asleep = self._asleep
+        asleep[0] = 1
+        try:
+            while True:
+                self._drain(fd)
+                if all(flags[i] for i in indices):
+                    for i in indices:
+                        flags[i] = 0
+                    return
+                check()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RuntimeError(
+                        f"Failed to run all workers within the {timeout} sec time limit. This "
+                        "threshold can be increased via the BATCHED_PIPE_TIMEOUT env variable."
+                    )
+                select.select([fd], [], [], min(remaining, sleep))
+                sleep = min(2 * sleep, _SLICE)
+        finally:
+            asleep[0] = 0
 
     def close(self) -> None:
         fd, self._fd = self._fd, None
@@ -159,28 +172,44 @@ class DoneSignal:
                 os.close(fd)
             except OSError:
                 pass
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
+        for path in (self.path, self.path + ".asleep"):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def _shared_byte(path: str, create: bool) -> mmap.mmap:
+    """A one-byte flag shared by every process that maps ``path``."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, mmap.PAGESIZE)
+        return mmap.mmap(fd, mmap.PAGESIZE)
+    finally:
+        os.close(fd)
 
 
 class NotifyingFlags:
     """Worker side: TorchRL's shared flag array, plus a wake-up byte for the main process."""
 
-    __slots__ = ("_fd", "_flags")
+    __slots__ = ("_asleep", "_fd", "_flags")
 
     def __init__(self, flags: Any, path: str) -> None:
         self._flags = flags
         self._fd: int | None
+        self._asleep: Any
         try:
             self._fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            self._asleep = _shared_byte(path + ".asleep", create=False)
         except OSError:  # the main process is gone: nobody to wake
             self._fd = None
+            self._asleep = b"\0"
 
     def __setitem__(self, index: int, value: int) -> None:
         self._flags[index] = value
-        if value and self._fd is not None:
+        if value and self._asleep[0] and self._fd is not None:
             try:
                 os.write(self._fd, b"d")
             except OSError as err:
