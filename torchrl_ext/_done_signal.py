@@ -11,9 +11,11 @@ if the main process says it is asleep (a byte in a small shared file), writes on
 FIFO; the main process sleeps on the FIFO (:meth:`DoneSignal.wait_for`).
 Waking a sleeping process costs tens of microseconds, which matters only when the workers
 answer within a few hundred: the main process therefore spins first, up to ``spin`` seconds,
-but only while the recent waits (a moving average) were no longer than that. Steps that take
-longer never spin. The supervisor writes into the same FIFO when a worker dies, so a sleeping
-main process wakes to raise the error.
+as long as spinning pays (most recent spins saw the result arrive), and otherwise only once
+every ``_PROBE_EVERY`` waits. Where a core is left over, long steps are slept through until
+shortly before they usually end (a moving average of the waits) and spun over the end. The
+supervisor writes into the same FIFO when a worker dies, so a sleeping main process wakes to
+raise the error.
 
 Ordering: the main process marks itself asleep, drains the FIFO, re-reads the flags, then
 sleeps; a worker sets its flag, then reads the mark, then writes. A flag that the re-read
@@ -41,8 +43,10 @@ _SLICE = 0.5
 _FIRST_SLEEP = 2e-3
 #: Default longest spin: a little more than a trivial env's round trip.
 DEFAULT_SPIN = 2.5e-4
-#: Weight of the newest wait in the moving average.
+#: Weight of the newest sample in the moving averages.
 _ALPHA = 0.1
+#: While spinning does not pay, spin anyway once every this many waits, to notice a change.
+_PROBE_EVERY = 32
 #: How late a timed sleep may end (Linux's default timer slack).
 _TIMER_SLACK = 5e-5
 
@@ -67,6 +71,9 @@ class DoneSignal:
         self._asleep = _shared_byte(path + ".asleep", create=True)
         #: Moving average of recent waits, in seconds.
         self.typical_wait = 0.0
+        #: Moving average of how often a spin saw the result arrive (1: always).
+        self.spin_hits = 1.0
+        self._waits_since_spin = 0
 
     def notify(self) -> None:
         """Wake a sleeping :meth:`wait_for` (used by the supervisor on a worker death)."""
@@ -106,12 +113,22 @@ class DoneSignal:
                 # before it usually ends (timer slack included), and spin over the end.
                 fd = self._fd
                 if fd is not None:
-                    self._drain(fd)  # bytes of earlier steps, seen while spinning
+                    self._drain(fd)  # bytes of earlier steps
                     select.select([fd], [], [], max(0.0, expected - spin / 2 - _TIMER_SLACK))
-                expected = 0.0
-            if expected <= spin and self._spin(flags, indices, time.perf_counter() + spin):
-                self._record(start)
-                return
+                if self._spin(flags, indices, time.perf_counter() + spin):
+                    self._record(start)
+                    return
+            elif self.spin_hits >= 0.5 or self._waits_since_spin >= _PROBE_EVERY:
+                # Spin while spinning pays (the result came within ``spin``), and now and then
+                # to find out whether it pays again.
+                self._waits_since_spin = 0
+                hit = self._spin(flags, indices, start + spin)
+                self.spin_hits += _ALPHA * (float(hit) - self.spin_hits)
+                if hit:
+                    self._record(start)
+                    return
+            else:
+                self._waits_since_spin += 1
         self._sleep_until_done(flags, indices, timeout, check)
         self._record(start)
 
