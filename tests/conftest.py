@@ -5,8 +5,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -94,21 +96,41 @@ def _describe(procs: list[psutil.Process]) -> str:
     return "; ".join(out)
 
 
+def _runtime_dirs() -> set[Path]:
+    """The library's per-owner runtime directories (reaper FIFO, reports, done FIFOs) that
+    should be gone: this process's own, and those of owners that have exited (their reaper
+    removes them). Directories of other live processes on the machine are not counted."""
+    me = os.getpid()
+    found = set()
+    for path in Path(tempfile.gettempdir()).glob("torchrl_ext-[0-9]*-*"):
+        owner = int(path.name.split("-")[1])
+        if owner == me or not psutil.pid_exists(owner):
+            found.add(path)
+    return found
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Fail the test if it leaves a live descendant, a zombie child or a tagged process."""
+    """Fail the test if it leaves a live descendant, a zombie child, a tagged process or a
+    runtime directory (``$TMPDIR/torchrl_ext-<owner pid>-*``) of an owner it started."""
     me = psutil.Process()
     before = {k for k in (_key(p) for p in me.children(recursive=True)) if k is not None}
     before |= {k for k in (_key(p) for p in _tagged_strangers(set())) if k is not None}
+    dirs_before = _runtime_dirs()
     yield
     deadline = time.monotonic() + 10.0
     while True:
         live, zombies = leftovers(before)
-        if not live and not zombies:
+        new_dirs = _runtime_dirs() - dirs_before
+        if not live and not zombies and not new_dirs:
             return
         if time.monotonic() > deadline:
             break
         time.sleep(0.05)
+    for path in new_dirs:
+        shutil.rmtree(path, ignore_errors=True)
+    if not live and not zombies:
+        pytest.fail(f"test left runtime directories: {sorted(map(str, new_dirs))}")
     message = f"test leaked processes: live=[{_describe(live)}] zombies=[{_describe(zombies)}]"
     for proc in live:
         try:

@@ -47,6 +47,9 @@ DEFAULT_SPIN = 2.5e-4
 _ALPHA = 0.1
 #: While spinning does not pay, spin anyway once every this many waits, to notice a change.
 _PROBE_EVERY = 32
+#: Hit rate above which a spin that missed goes on, up to ``_LATE_FACTOR`` times ``spin``.
+_STEADY = 0.8
+_LATE_FACTOR = 3.0
 #: How late a timed sleep may end (Linux's default timer slack).
 _TIMER_SLACK = 5e-5
 
@@ -123,8 +126,15 @@ class DoneSignal:
                 # to find out whether it pays again.
                 self._waits_since_spin = 0
                 hit = self._spin(flags, indices, start + spin)
+                # Where nearly every result comes within ``spin``, a late one is a scheduling
+                # hiccup: spin a little longer rather than pay a wake-up (still a miss).
+                late = (
+                    not hit
+                    and self.spin_hits >= _STEADY
+                    and self._spin(flags, indices, start + _LATE_FACTOR * spin)
+                )
                 self.spin_hits += _ALPHA * (float(hit) - self.spin_hits)
-                if hit:
+                if hit or late:
                     self._record(start)
                     return
             else:
