@@ -536,6 +536,14 @@ def _explain(
                             f"; {target.minimum:g}x the baseline means {target.minimum / best:.0%} "
                             f"of the first and {target.minimum / mbest:.0%} of the second"
                         )
+                        # Work-conserving ceiling next to a spinning main process: the oracle's
+                        # CPU plus the loaders' share must fit on the machine's cores.
+                        ceiling = best * min(1.0, cores / (busy + need))
+                        line += (
+                            f". Ceiling next to a spinning main process, if every idle cycle went "
+                            f"to the loaders and nothing else ran: {cores} / ({busy:.2f} + "
+                            f"{need:.2f}) of the oracle = {ceiling:.2f}x the baseline"
+                        )
                 line += "."
             out.append(line)
     out.append("")
