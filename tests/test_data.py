@@ -29,6 +29,7 @@ from torchrl_ext.data import (
     ThreadPrefetcher,
     memmap_episodes,
 )
+from torchrl_ext.data._episode_loader import DEFAULT_WORKER_NICE
 
 pytestmark = pytest.mark.compat
 
@@ -409,3 +410,25 @@ def test_memmap_parse_errors_leave_nothing(tmp_path: Path) -> None:
     )
     assert dataset[0].batch_size == torch.Size([T_STEPS])
     assert torch.equal(dataset[-1]["obs"], torch.arange(float(T_STEPS)))
+
+
+@pytest.mark.parametrize("worker_nice", [DEFAULT_WORKER_NICE, None])
+def test_loader_workers_yield_to_stepping(worker_nice: int | None) -> None:
+    """By default the loader's workers run at a lower priority (higher niceness) than the
+    env worker, so that parsing ahead never delays a step; ``worker_nice=None`` keeps it."""
+    baseline = _children()
+    mine = psutil.Process().nice()
+    with EpisodeLoader(
+        Episodes(), num_workers=2, seed=0, multiprocessing_context=FORK, worker_nice=worker_nice
+    ) as loader:
+        next(loader)
+        workers = [psutil.Process(pid) for pid in _children() - baseline]
+        assert len(workers) == 2
+        expected = mine if worker_nice is None else min(19, mine + worker_nice)
+        assert _wait_until(lambda: all(w.nice() == expected for w in workers)), [w.nice() for w in workers]
+    assert _wait_until(lambda: not (_children() - baseline))
+
+
+def test_worker_nice_cannot_raise_priority() -> None:
+    with pytest.raises(ValueError, match="worker_nice"):
+        EpisodeLoader(Episodes(), worker_nice=-5)
