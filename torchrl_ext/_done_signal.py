@@ -199,6 +199,7 @@ class DoneSignal:
                 os.close(fd)
             except OSError:
                 pass
+            self._asleep.close()
         for path in (self.path, self.path + ".asleep"):
             try:
                 os.unlink(path)
