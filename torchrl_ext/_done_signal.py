@@ -39,6 +39,9 @@ __all__ = ["DEFAULT_SPIN", "DoneSignal", "NotifyingFlags", "has_spare_core"]
 
 #: Longest sleep between checks of the deadline and of worker health.
 _SLICE = 0.5
+_CLOSED_WHILE_WAITING = (
+    "the env was closed (by a signal handler?) while its main thread waited for the workers' results"
+)
 #: First sleep of a wait; later ones double up to ``_SLICE`` (see the module docstring).
 _FIRST_SLEEP = 2e-3
 #: Default longest spin: a little more than a trivial env's round trip.
@@ -117,7 +120,10 @@ class DoneSignal:
                 fd = self._fd
                 if fd is not None:
                     self._drain(fd)  # bytes of earlier steps
-                    select.select([fd], [], [], max(0.0, expected - spin / 2 - _TIMER_SLACK))
+                    try:
+                        select.select([fd], [], [], max(0.0, expected - spin / 2 - _TIMER_SLACK))
+                    except OSError:  # closed meanwhile: reported by _sleep_until_done
+                        pass
                 if self._spin(flags, indices, time.perf_counter() + spin):
                     self._record(start)
                     return
@@ -166,15 +172,18 @@ class DoneSignal:
     def _sleep_until_done(
         self, flags: Any, indices: Sequence[int], timeout: float, check: Callable[[], None]
     ) -> None:
-        fd = self._fd
-        if fd is None:
-            raise RuntimeError("the env's workers were closed while it waited for them")
         deadline = time.monotonic() + timeout
         sleep = _FIRST_SLEEP
         asleep = self._asleep
-        asleep[0] = 1
+        if self._fd is not None:
+            asleep[0] = 1
         try:
             while True:
+                # Re-read each time: a signal handler running in this thread may close the env
+                # (and this signal) while we sleep.
+                fd = self._fd
+                if fd is None:
+                    raise RuntimeError(_CLOSED_WHILE_WAITING)
                 self._drain(fd)
                 if all(flags[i] for i in indices):
                     for i in indices:
@@ -187,10 +196,16 @@ class DoneSignal:
                         f"Failed to run all workers within the {timeout} sec time limit. This "
                         "threshold can be increased via the BATCHED_PIPE_TIMEOUT env variable."
                     )
-                select.select([fd], [], [], min(remaining, sleep))
+                try:
+                    select.select([fd], [], [], min(remaining, sleep))
+                except OSError:
+                    if self._fd is None:
+                        raise RuntimeError(_CLOSED_WHILE_WAITING) from None
+                    raise
                 sleep = min(2 * sleep, _SLICE)
         finally:
-            asleep[0] = 0
+            if not asleep.closed:
+                asleep[0] = 0
 
     def close(self) -> None:
         fd, self._fd = self._fd, None

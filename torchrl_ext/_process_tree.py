@@ -60,11 +60,21 @@ def members_of_group(pgid: int, born_after: float) -> list[psutil.Process]:
 
 
 def tagged_processes(tag: Tag, env_id: str | None = None, worker: str | None = None) -> list[psutil.Process]:
-    """Live processes whose environment carries ``tag``'s owner (and env id / worker, if given)."""
+    """Live processes whose environment carries ``tag``'s owner (and env id / worker, if given).
+
+    Only processes born after the owner can carry its tag, so older ones are skipped before
+    their environment is read (the expensive part on a machine with many processes).
+    """
     found = []
     me = os.getpid()
+    born_after = tag.owner_create_time - 0.01
     for proc in psutil.process_iter():
         if proc.pid == me:
+            continue
+        try:
+            if proc.create_time() < born_after:
+                continue
+        except psutil.Error:
             continue
         found_tag, found_worker = read_tag(proc)
         if found_tag is None or not found_tag.same_owner(tag):

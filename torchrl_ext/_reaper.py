@@ -120,6 +120,8 @@ class Reaper:
                 if pgid in groups and ctime + 0.01 >= groups[pgid]:
                     found[(proc.pid, ctime)] = proc
                     continue
+                if ctime + 0.01 < self.owner_ctime:
+                    continue  # older than the owner: cannot carry its tag
                 value = proc.environ().get(OWNER_VAR, "")
             except (psutil.Error, OSError):
                 continue
