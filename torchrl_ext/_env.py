@@ -55,7 +55,8 @@ class _ManagedState:
         self.handle_signals = handle_signals
         self.reap_orphans = reap_orphans
         self.spin_wait = spin_wait
-        self.spin = 0.0
+        #: What the wait uses: ``spin_wait`` with its default resolved.
+        self.spin = DEFAULT_SPIN if spin_wait is None else spin_wait
         self.exit_with_parent = exit_with_parent
         self.supervisor: WorkerSupervisor | None = None
         self.report: SupervisionReport | None = None
@@ -136,7 +137,7 @@ class ManagedParallelEnv(ParallelEnv):
             ``daemon_workers=False``), so its children cannot outlive it.
         spin_wait: TorchRL >= 0.11 spin-polls for the workers' results, holding a core for
             the whole step; a managed env sleeps until they arrive, after spinning at most
-            ``spin_wait`` seconds, and only while recent steps took no longer than that.
+            ``spin_wait`` seconds, and only while results usually arrive within that.
             ``None`` (default): 250 microseconds; ``0``: never spin;
             ``float("inf")``: TorchRL's own wait.
         exit_with_parent: when the process that started this one through ``multiprocessing``
@@ -258,7 +259,7 @@ class ManagedParallelEnv(ParallelEnv):
                     owner_create_time=owner_ctime,
                     report_path=supervisor.report_path(i),
                     reaper_fifo=fifo,
-                    done_fifo=None if state.spin_wait == float("inf") else supervisor.done_signal.path,
+                    done_fifo=None if state.spin == float("inf") else supervisor.done_signal.path,
                 ),
             )
             for i, fn in enumerate(user_fns)
@@ -282,7 +283,6 @@ class ManagedParallelEnv(ParallelEnv):
         self.parent_channels = supervisor.attach(processes, channels)
         self._workers = SupervisedWorkers(processes, supervisor.raise_known_failure)
         state.worker_pids = [p.pid for p in processes]
-        state.spin = DEFAULT_SPIN if state.spin_wait is None else state.spin_wait
         supervisor.done_signal.spare_core = has_spare_core(len(processes))
         state.supervisor = supervisor
         log.debug("%s started %d workers: %s", label, len(self._workers), state.worker_pids)

@@ -2,9 +2,9 @@
 
 One reaper runs per owner process while at least one managed env is open; it is started on
 the first ``acquire()`` and asked to exit on the last ``release()``. ``proc`` is the reaper's
-shim (its parent, our child; see ``_reaper.py``), which exits with the reaper's status. Messages go through a
-FIFO that the main process also holds open, so a worker can report itself before the reaper
-has finished starting and nothing blocks if the reaper is gone.
+shim (its parent, our child; see ``_reaper.py``), which exits with the reaper's status.
+Messages go through a FIFO that the main process also holds open, so a worker can report
+itself before the reaper has finished starting and nothing blocks if the reaper is gone.
 """
 
 from __future__ import annotations
