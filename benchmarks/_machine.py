@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import subprocess
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -50,3 +57,34 @@ def kill_tree(pid: int) -> int:
             proc.kill()
     psutil.wait_procs(procs, timeout=10)
     return len(procs)
+
+
+def run_script_child(
+    script: str,
+    spec: dict[str, Any],
+    out_path: Path,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    watch: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
+) -> tuple[dict[str, Any] | None, str | None]:
+    """Run ``script --child SPEC --child-out OUT`` in a fresh interpreter.
+
+    Returns ``(result, None)`` with the JSON the child wrote, or ``(None, why)``. ``watch(pid)``
+    is entered while the child runs (to sample its process tree). On timeout the child's whole
+    tree is killed.
+    """
+    cmd = [sys.executable, script, "--child", json.dumps(spec), "--child-out", str(out_path)]
+    child_env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env)
+    with watch(proc.pid) if watch is not None else contextlib.nullcontext():
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            proc.communicate()
+            return None, f"timed out after {timeout:.0f}s"
+    if proc.returncode != 0 or not out_path.exists():
+        tail = err.strip().splitlines()[-1:] if err else []
+        return None, f"exit code {proc.returncode}: {tail}"
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    return result, None

@@ -32,7 +32,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from _machine import is_helper, kill_tree, system_busy, wait_for_quiet
+from _machine import is_helper, run_script_child, system_busy, wait_for_quiet
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -206,14 +205,19 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
 class TreeMonitor:
     """Samples the memory and size of a process tree in a background thread."""
 
-    def __init__(self, pid: int, interval: float = 0.1) -> None:
-        self.pid = pid
+    def __init__(self, interval: float = 0.1) -> None:
+        self.pid = 0
         self.interval = interval
         self.peak_rss = 0
         self.peak_pss = 0
         self.peak_procs = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tree-monitor", daemon=True)
+
+    def watching(self, pid: int) -> TreeMonitor:
+        """Use as ``with monitor.watching(pid):``."""
+        self.pid = pid
+        return self
 
     def __enter__(self) -> TreeMonitor:
         self._thread.start()
@@ -247,22 +251,12 @@ class TreeMonitor:
 
 def run_one(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Run one configuration in a fresh interpreter and sample its process tree meanwhile."""
+    monitor = TreeMonitor()
     out_path = Path(spec["stats_dir"]) / "result.json"
     script = str(Path(__file__).resolve())
-    cmd = [sys.executable, script, "--child", json.dumps(spec), "--child-out", str(out_path)]
-    env = dict(os.environ)
-    env["PYTHONWARNINGS"] = "ignore"
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    with TreeMonitor(proc.pid) as monitor:
-        try:
-            _, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            proc.communicate()
-            return {"error": f"timed out after {timeout:.0f}s"}
-    if proc.returncode != 0 or not out_path.exists():
-        return {"error": f"exit code {proc.returncode}: {err.strip().splitlines()[-1:] if err else ''}"}
-    result: dict[str, Any] = json.loads(out_path.read_text())
+    result, error = run_script_child(script, spec, out_path, timeout, watch=monitor.watching)
+    if result is None:
+        return {"error": error}
     result["peak_rss_mb"] = monitor.peak_rss / 1e6
     result["peak_pss_mb"] = monitor.peak_pss / 1e6
     result["peak_procs"] = monitor.peak_procs

@@ -26,7 +26,6 @@ import os
 import platform
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,7 +36,7 @@ from typing import Any
 
 import psutil
 import torch
-from _machine import is_helper, kill_tree, system_busy, wait_for_quiet
+from _machine import is_helper, run_script_child, system_busy, wait_for_quiet
 from tensordict import TensorDict
 from torch.utils.data import DataLoader, Dataset
 from torchrl.data import Bounded, Composite, Unbounded
@@ -308,27 +307,14 @@ RUN_TAG = f"overhead-{os.getpid()}-{time.time_ns()}"
 
 def run_trial(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="torchrl_ext-bench-overhead-") as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [
-            sys.executable,
+        result, error = run_script_child(
             str(Path(__file__).resolve()),
-            "--child",
-            json.dumps(spec),
-            "--child-out",
-            str(out),
-        ]
-        env = dict(os.environ, PYTHONWARNINGS="ignore", TORCHRL_EXT_BENCH_RUN=RUN_TAG)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        try:
-            _, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            proc.communicate()
-            return {"failed": f"timed out after {timeout:.0f}s"}
-        if proc.returncode != 0 or not out.exists():
-            tail = err.strip().splitlines()[-1:] if err else []
-            return {"failed": f"exit code {proc.returncode}: {tail}"}
-        return json.loads(out.read_text())
+            spec,
+            Path(tmp) / "result.json",
+            timeout,
+            env={"TORCHRL_EXT_BENCH_RUN": RUN_TAG},
+        )
+    return {"failed": error} if result is None else result
 
 
 RAW_KEYS = (("close", "close_s"), ("death", "detect_s"), ("death", "cleanup_s"))
