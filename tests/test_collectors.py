@@ -103,23 +103,6 @@ def test_multi_collector_workers_build_managed_envs(
 
 
 # --------------------------------------------------------------------------- SIGKILL of main
-class CollectorScenario(Scenario):
-    """``Scenario`` running ``tests.collector_scenarios`` instead of ``tests.scenarios``."""
-
-    def start(
-        self, name: str, *args: str, linger: float = 10.0, module: str = "tests.collector_scenarios"
-    ) -> None:
-        super().start(name, *args, linger=linger, module=module)
-
-
-@pytest.fixture
-def collector_scenario(tmp_path: Path) -> Iterator[CollectorScenario]:
-    s = CollectorScenario(tmp_path)
-    yield s
-    if s.proc is not None and s.proc.poll() is None:
-        s.kill()
-
-
 @pytest.mark.compat
 @pytest.mark.parametrize(
     ("kind", "method"),
@@ -130,7 +113,7 @@ def collector_scenario(tmp_path: Path) -> Iterator[CollectorScenario]:
     ],
 )
 def test_sigkill_of_training_process_leaves_nothing(
-    collector_scenario: CollectorScenario, kind: str, method: str, tmp_path: Path
+    scenario: Scenario, kind: str, method: str, tmp_path: Path
 ) -> None:
     """main -> 2 collector workers -> 2 env workers each -> 2 DataLoader workers each. Collector
     workers started by spawn (TorchRL's default) exit when their pipe to main breaks and close
@@ -138,13 +121,21 @@ def test_sigkill_of_training_process_leaves_nothing(
     the env's parent watch (``exit_with_parent``) ends them. The env trees go with them."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    collector_scenario.start(kind, "--collector-method", method, "--pid-dir", str(pid_dir), linger=LINGER)
-    ready = collector_scenario.wait_ready(timeout=240)
+    scenario.start(
+        kind,
+        "--collector-method",
+        method,
+        "--pid-dir",
+        str(pid_dir),
+        linger=LINGER,
+        module="tests.collector_scenarios",
+    )
+    ready = scenario.wait_ready(timeout=240)
     _wait_for(lambda: len(_pids(pid_dir, "dl")) >= 8, 60, "every DataLoader worker started")
     env_workers = {int(p.name.split("-")[1]) for p in pid_dir.glob("dl-*")}
     assert len(env_workers) == 2 * 2
     os.kill(ready["pid"], signal.SIGKILL)
-    result: ScenarioResult = collector_scenario.finish(timeout=120)
+    result: ScenarioResult = scenario.finish(timeout=120)
     _reap_harness_orphans(result)
     assert result.returncode == -signal.SIGKILL, result.stderr
     assert not result.leaked, f"processes outlived the training process by {LINGER}s: {result.leaked}"
