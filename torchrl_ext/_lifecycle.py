@@ -208,9 +208,8 @@ def _watch_parent(parent: int) -> None:
         while os.getppid() == parent:
             time.sleep(0.2)
     with _lock:
-        affected = [key for key, (ref, _h, _r) in _live.items() if key in _exit_with_parent and ref()]
-    if not affected:
-        return
+        if not any(ref() is not None for key, (ref, _h, _r) in _live.items() if key in _exit_with_parent):
+            return
     me = os.getpid()
     log.warning(
         "the parent process (pid %d) of this process (pid %d) died: closing %d managed env(s) and "
