@@ -47,6 +47,26 @@ def _build(args: argparse.Namespace) -> ManagedParallelEnv:
     )
 
 
+def _env_in_child(exit_with_parent: bool, progress: str, stop: str) -> None:
+    """Target of a multiprocessing child: step a managed env until ``stop`` exists."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)  # as an application would: our warnings show
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, loader="persistent"),
+        daemon_workers=False,
+        mp_start_method="fork",
+        exit_with_parent=exit_with_parent,
+    )
+    steps = 0
+    while not os.path.exists(stop):
+        env.rollout(5, break_when_any_done=False)
+        steps += 5
+        _ready(progress, workers=env.worker_pids, steps=steps, ppid=os.getppid())
+    env.close()
+
+
 def main() -> int:
     global ENV
     parser = argparse.ArgumentParser()
@@ -60,6 +80,7 @@ def main() -> int:
     parser.add_argument("--shutdown-timeout", type=float, default=5.0)
     parser.add_argument("--pid-dir", default=None)
     parser.add_argument("--hold-gil", action="store_true")
+    parser.add_argument("--exit-with-parent", choices=("on", "off"), default="on")
     args = parser.parse_args()
 
     if args.name == "user_handler":
@@ -78,6 +99,24 @@ def main() -> int:
         ENV.reset()
         ENV.rollout(1000, break_when_any_done=False)
         return 0
+
+    if args.name == "parent_of_env_owner":
+        # This process only starts a multiprocessing child that owns an env, then dies without
+        # any clean-up, as a SIGKILLed trainer would: what the child does is up to its
+        # ``exit_with_parent``.
+        import multiprocessing
+        import time
+
+        progress, stop = args.ready + ".progress", args.ready + ".stop"
+        child = multiprocessing.get_context("fork").Process(
+            target=_env_in_child, args=(args.exit_with_parent == "on", progress, stop)
+        )
+        child.start()
+        deadline = time.monotonic() + 120
+        while not os.path.exists(progress) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _ready(args.ready, child=child.pid, progress=progress, stop=stop)
+        os._exit(0)
 
     if args.name == "thread_start":
         # Workers started from a short-lived thread: PR_SET_PDEATHSIG must not kill them

@@ -7,11 +7,13 @@ harness records every process still alive after the scenario's main process died
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import psutil
 import pytest
@@ -184,3 +186,48 @@ def test_env_started_from_a_short_lived_thread_dies_with_main(scenario: Scenario
     os.kill(ready["pid"], signal.SIGKILL)
     result = scenario.finish(timeout=120)
     _assert_nothing_leaked(result)
+
+
+def _progress(path: Path) -> dict[str, Any]:
+    while True:  # written by os.replace: a read sees a whole file
+        try:
+            return cast(dict[str, Any], json.loads(path.read_text()))
+        except ValueError:
+            continue
+
+
+@pytest.mark.parametrize("exit_with_parent", ["on", "off"])
+def test_env_owner_whose_parent_dies(scenario: Scenario, exit_with_parent: str) -> None:
+    """A multiprocessing child owns an env; its parent dies without clean-up. With
+    ``exit_with_parent`` (the default there) the child closes its env and ends; without, it
+    keeps stepping until told to stop, then closes cleanly."""
+    scenario.start("parent_of_env_owner", "--exit-with-parent", exit_with_parent, linger=60.0)
+    ready = scenario.wait_ready()
+    child, progress, stop = int(ready["child"]), Path(ready["progress"]), Path(ready["stop"])
+    workers = _progress(progress)["workers"]
+    assert len(workers) == 2
+    if exit_with_parent == "off":
+        # The child outlives its parent and keeps stepping (its parent is now the harness).
+        deadline = time.monotonic() + 60
+        while True:
+            state = _progress(progress)
+            if state["ppid"] != ready["pid"] and not psutil.pid_exists(int(ready["pid"])):
+                steps = int(state["steps"])
+                break
+            assert time.monotonic() < deadline, "the parent never died"
+            time.sleep(0.05)
+        deadline = time.monotonic() + 60
+        while int(_progress(progress)["steps"]) <= steps:
+            assert time.monotonic() < deadline, "the env stopped stepping after its owner's parent died"
+            time.sleep(0.05)
+        stop.touch()
+    result = scenario.finish(timeout=120)
+    assert result.returncode == 0, result.stderr
+    _assert_nothing_leaked(result)
+    survivor = {int(s["pid"]): s for s in result.survivors}
+    assert child in survivor, result.survivors
+    if exit_with_parent == "on":
+        assert "died: closing 1 managed env(s)" in result.stderr, result.stderr
+    else:
+        assert "died" not in result.stderr, result.stderr
+    assert not [pid for pid in workers if psutil.pid_exists(int(pid))]

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 from torch.utils.data import DataLoader, Dataset
 
 from tests.conftest import fd_count, shm_entries
