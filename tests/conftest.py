@@ -206,8 +206,15 @@ class Scenario:
         self.ready_file = tmp_path / "ready.json"
         self.out = tmp_path / "harness.json"
 
-    def start(self, name: str, *args: str, linger: float = 10.0, module: str = "tests.scenarios") -> None:
-        env = dict(os.environ)
+    def start(
+        self,
+        name: str,
+        *args: str,
+        linger: float = 10.0,
+        module: str = "tests.scenarios",
+        env_vars: dict[str, str] | None = None,
+    ) -> None:
+        env = dict(os.environ, **(env_vars or {}))
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         cmd = [
             sys.executable,

@@ -70,6 +70,7 @@ class ToyEnv(EnvBase):
         self._t = 0
         self._current = torch.zeros(OBS)
         self._procs: list[subprocess.Popen[bytes]] = []
+        self._forked: list[int] = []
         self.observation_spec = Composite(observation=Unbounded(shape=(OBS,)))
         self.action_spec = Bounded(-1.0, 1.0, shape=(1,))
         self.reward_spec = Unbounded(shape=(1,))
@@ -86,6 +87,20 @@ class ToyEnv(EnvBase):
         return os.environ.get("TORCHRL_EXT_WORKER", "-1") != "-1"
 
     def _start_subprocess(self, kind: str) -> None:
+        if kind == "forked_setsid":
+            # Forked without exec, in a session of its own: neither the tag nor the worker's
+            # process group shows it; only a snapshot of the worker's tree does.
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os.setsid()
+                    while True:
+                        time.sleep(1)
+                finally:
+                    os._exit(0)
+            self._forked.append(pid)
+            self._record("sim", pid)
+            return
         cmd = [sys.executable, "-c", "import time\nwhile True: time.sleep(1)"]
         proc = subprocess.Popen(cmd, start_new_session=(kind == "setsid"))
         self._procs.append(proc)
@@ -176,6 +191,10 @@ class ToyEnv(EnvBase):
             proc.terminate()
             proc.wait()
         self._procs = []
+        for pid in self._forked:
+            os.kill(pid, signal.SIGTERM)
+            os.waitpid(pid, 0)
+        self._forked = []
         self._iter = None
         self._loader = None
         super().close(*args, **kwargs)

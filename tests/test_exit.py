@@ -101,16 +101,19 @@ def test_user_sigterm_handler_still_called(scenario: Scenario) -> None:
 
 @pytest.mark.parametrize(
     ("method", "busy"),
-    [("fork", "sleep"), ("forkserver", "sleep"), ("spawn", "sleep"), ("fork", "gil")],
+    [("fork", "sleep"), ("forkserver", "sleep"), ("spawn", "sleep"), ("fork", "gil"), ("fork", "portable")],
 )
 def test_sigkill_of_main_mid_long_step_leaves_nothing(
     scenario: Scenario, method: str, busy: str, tmp_path: Path
 ) -> None:
     """Workers busy in a long step (sleeping, or inside one C call that holds the GIL), each
-    holding 2 DataLoader workers and a setsid subprocess."""
+    holding 2 DataLoader workers and a setsid subprocess. ``portable``: sleeping, with the
+    Linux-only calls off (``TORCHRL_EXT_PORTABLE=1``: no parent-death signal, no subreaper, no
+    pidfds), the guarantee documented for macOS."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    busy_args = ["--step-sleep", "60"] if busy == "sleep" else ["--hold-gil"]
+    busy_args = ["--hold-gil"] if busy == "gil" else ["--step-sleep", "60"]
+    env_vars = {"TORCHRL_EXT_PORTABLE": "1"} if busy == "portable" else None
     scenario.start(
         "rollout_forever",
         "--method",
@@ -121,6 +124,7 @@ def test_sigkill_of_main_mid_long_step_leaves_nothing(
         "--pid-dir",
         str(pid_dir),
         linger=LINGER,
+        env_vars=env_vars,
     )
     ready = scenario.wait_ready(timeout=240)
     # Kill the main process like the OOM killer would, once both workers are inside the step.
@@ -134,6 +138,8 @@ def test_sigkill_of_main_mid_long_step_leaves_nothing(
     children = {int(p.read_text()) for p in pid_dir.glob("*-*-*") if not p.name.startswith("stepping")}
     assert len(children) == 2 * 3, "each worker held 2 DataLoader workers and a setsid simulator"
     assert not [pid for pid in children if _alive(pid)]
+    reapers = [s["cmdline"] for s in result.seen_before_death if "_reaper.py" in s["cmdline"]]
+    assert reapers and all(cmd.endswith(" poll") == (busy == "portable") for cmd in reapers), reapers
 
 
 def _alive(pid: int) -> bool:

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 
+from tests.conftest import Scenario
+from torchrl_ext._reaper import Reaper
 from torchrl_ext._sweep import find_orphans, leftover_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,3 +67,90 @@ def test_sweep_lists_then_kills_orphans_of_a_dead_owner() -> None:
         for proc in (orphan, reused, mine):
             proc.kill()
             proc.wait()
+
+
+def _wait_for(check: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)
+
+
+def _registry_lists(path: Path, pids: set[int]) -> bool:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return pids <= {int(pid) for pid, _ctime in data["seen"]}
+
+
+def test_sweep_finds_forked_escapees_through_the_registry(scenario: Scenario, tmp_path: Path) -> None:
+    """Owner and reaper SIGKILLed together: a process forked (no exec) by a worker into a session
+    of its own carries no visible tag and no worker's process group, yet the sweep finds it
+    through the registry the reaper left, ends it and removes the runtime directory."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    scenario.start("rollout_forever", "--subprocess", "forked_setsid", "--pid-dir", str(pid_dir), linger=90.0)
+    ready = scenario.wait_ready()
+    main = psutil.Process(int(ready["pid"]))
+    _wait_for(lambda: len(list(pid_dir.glob("sim-*"))) == 2, "both workers started their escapee")
+    escapees = {int(p.read_text()) for p in pid_dir.glob("sim-*")}
+    reapers = [p for p in main.children(recursive=True) if "_reaper.py" in " ".join(p.cmdline())]
+    assert len(reapers) == 2, reapers  # the shim and the reaper
+    runtime_dir = Path(reapers[0].cmdline()[-1]).parent
+    registry = runtime_dir / "registry.json"
+    _wait_for(lambda: _registry_lists(registry, escapees), "the reaper recorded the escapees")
+
+    for proc in [*reapers, main]:  # a node-wide kill: the reaper goes with its owner
+        proc.kill()
+    workers = [psutil.Process(pid) for pid in ready["workers"]]
+    psutil.wait_procs(workers, timeout=30)  # parent-death signal
+    assert all(psutil.pid_exists(pid) for pid in escapees), "the escapees should have outlived everything"
+    assert not {o.process.pid for o in find_orphans() if o.found_by == "tag"} & escapees
+
+    listed = _run_cli()
+    assert listed.returncode == 1, listed.stdout + listed.stderr
+    for pid in escapees:
+        assert f"pid {pid} (owner pid {main.pid}, found by registry)" in listed.stdout, listed.stdout
+    killed = _run_cli("--kill", "--grace", "1")
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+    assert f"removed runtime directory {runtime_dir}" in killed.stdout, killed.stdout
+    assert not runtime_dir.exists()
+    result = scenario.finish(timeout=120)
+    assert result.returncode == -signal.SIGKILL
+    assert not result.leaked, result.leaked
+    assert escapees <= {int(s["pid"]) for s in result.survivors}
+
+
+def test_registry_forgets_descendants_that_ended(tmp_path: Path) -> None:
+    """A new DataLoader per reset starts processes every episode: the reaper's registry keeps
+    only those still running, so it does not grow with the length of training."""
+    worker_code = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time\\nwhile True: time.sleep(1)'])\n"
+        "print(child.pid, flush=True)\n"
+        "child.wait()\n"
+        "while True: time.sleep(1)\n"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", worker_code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout is not None
+        child = int(worker.stdout.readline())
+        fifo = tmp_path / "reaper.fifo"
+        os.mkfifo(fifo)
+        me = psutil.Process()
+        reaper = Reaper(me.pid, me.create_time(), str(fifo))
+        reaper.workers[worker.pid] = (psutil.Process(worker.pid).create_time(), worker.pid)
+        reaper.snapshot()
+        reaper.write_registry()
+        assert _registry_lists(tmp_path / "registry.json", {child})
+        os.kill(child, signal.SIGKILL)
+        _wait_for(lambda: not psutil.pid_exists(child), "the worker reaped its child")
+        reaper.snapshot()
+        reaper.write_registry()
+        data = json.loads((tmp_path / "registry.json").read_text())
+        assert data["seen"] == [] and data["workers"][0][0] == worker.pid
+        os.close(reaper.fifo_fd)
+    finally:
+        worker.kill()
+        worker.wait()

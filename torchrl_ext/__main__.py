@@ -13,17 +13,29 @@ def main(argv: list[str] | None = None) -> int:
     sweep = sub.add_parser(
         "sweep",
         help="list processes left by managed envs whose owner process is gone",
-        description="List processes whose TORCHRL_EXT_OWNER owner is gone (pid dead or reused). "
-        "Exit code 0 when nothing is left, 1 otherwise.",
+        description="List processes of managed envs whose owner is gone (pid dead or reused): "
+        "those whose TORCHRL_EXT_OWNER tag names it, and those its reaper recorded in the owner's "
+        "runtime directory. Exit code 0 when nothing is left, 1 otherwise.",
     )
-    sweep.add_argument("--kill", action="store_true", help="end them: SIGTERM, grace period, SIGKILL")
+    sweep.add_argument(
+        "--kill",
+        action="store_true",
+        help="end them (SIGTERM, grace period, SIGKILL) and remove dead owners' runtime directories",
+    )
     sweep.add_argument("--grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL")
+    sweep.add_argument(
+        "--runtime-dir",
+        default=None,
+        help="where the owners' torchrl_ext-* directories are (default: the temporary directory, $TMPDIR)",
+    )
     args = parser.parse_args(argv)
 
     from ._sweep import sweep_orphans
 
-    found, alive = sweep_orphans(kill=args.kill, grace=args.grace)
+    found, alive, removed = sweep_orphans(kill=args.kill, grace=args.grace, base=args.runtime_dir)
     out = sys.stdout
+    for path in removed:
+        out.write(f"removed runtime directory {path}\n")
     if not found:
         out.write("no orphaned torchrl_ext processes\n")
         return 0

@@ -41,8 +41,11 @@ class _ReaperHandle:
         self.fd = os.open(self.fifo, os.O_RDWR | os.O_NONBLOCK)
         me = psutil.Process()
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRL_EXT_")}
+        cmd = [sys.executable, "-I", str(_REAPER_SCRIPT), str(me.pid), repr(me.create_time()), self.fifo]
+        if not _platform.has_pidfd():
+            cmd.append("poll")  # the reaper polls the owner instead of waiting on a pidfd
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", str(_REAPER_SCRIPT), str(me.pid), repr(me.create_time()), self.fifo],
+            cmd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             start_new_session=True,

@@ -3,7 +3,9 @@
 Linux gets the full guarantee (``prctl`` parent-death signals, child subreaper, ``pidfd``).
 Other POSIX systems (macOS) degrade: the calls below become no-ops that return ``False``
 and the supervisor relies on process groups, psutil and the external reaper alone.
-Capabilities are probed once and cached.
+Capabilities are probed once and cached. ``TORCHRL_EXT_PORTABLE=1`` in the environment turns
+the Linux-only calls off on Linux too, so the test suite can check the reduced guarantee that
+other systems get.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import sys
 
 __all__ = [
     "IS_LINUX",
+    "PORTABLE_VAR",
     "has_pidfd",
     "has_prctl",
     "kill_process_group",
     "new_process_group",
     "open_pidfd",
     "peek_exit_status",
+    "portable_only",
     "process_group_of",
     "set_child_subreaper",
     "set_parent_death_signal",
@@ -31,6 +35,9 @@ __all__ = [
 ]
 
 IS_LINUX = sys.platform.startswith("linux")
+
+#: Set to ``1`` to use only the portable code paths (no ``prctl``, no pidfd), as on macOS.
+PORTABLE_VAR = "TORCHRL_EXT_PORTABLE"
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -48,8 +55,16 @@ def _libc() -> ctypes.CDLL | None:
 
 
 @functools.lru_cache(maxsize=1)
+def portable_only() -> bool:
+    """Whether the Linux-only calls are off: not Linux, or ``TORCHRL_EXT_PORTABLE=1``."""
+    return not IS_LINUX or os.environ.get(PORTABLE_VAR) == "1"
+
+
+@functools.lru_cache(maxsize=1)
 def has_prctl() -> bool:
     """Whether ``prctl`` (parent-death signal, child subreaper) is usable here."""
+    if portable_only():
+        return False
     libc = _libc()
     if libc is None:
         return False
@@ -60,7 +75,7 @@ def has_prctl() -> bool:
 @functools.lru_cache(maxsize=1)
 def has_pidfd() -> bool:
     """Whether ``os.pidfd_open`` works (Linux >= 5.3)."""
-    if not hasattr(os, "pidfd_open"):
+    if portable_only() or not hasattr(os, "pidfd_open"):
         return False
     try:
         fd = os.pidfd_open(os.getpid())

@@ -1,7 +1,7 @@
 """The external reaper: a tiny process that outlives the main process by a few milliseconds.
 
-Run as a *script* (``python _reaper.py OWNER_PID OWNER_CTIME FIFO``) so it never imports torch
-or this package. The main process starts it in a session of its own while managed envs are
+Run as a *script* (``python _reaper.py OWNER_PID OWNER_CTIME FIFO [poll]``) so it never imports
+torch or this package. The main process starts it in a session of its own while managed envs are
 open. Workers and the main process tell it, through a FIFO, which worker processes exist; it
 snapshots their process trees twice a second. When the owner process dies by any means
 (SIGKILL and the OOM killer included) it SIGKILLs, within milliseconds:
@@ -13,6 +13,11 @@ snapshots their process trees twice a second. When the owner process dies by any
 
 and repeats until a round finds nothing new. It exits when the owner closes the last env
 (``{"op": "exit"}``) or after the cleanup. See the NOTE in ``docs/design.md``.
+
+What it knows (the workers, the descendants it saw) it also keeps in ``registry.json`` beside
+the FIFO, rewritten whenever that changes. If the reaper dies together with its owner (a
+node-wide kill, the OOM killer taking both), ``python -m torchrl_ext sweep`` reads the file
+and finds what the tag cannot show: descendants that were forked without ``exec``.
 
 The script forks once at start: the parent stays behind as a *shim* that only waits for the
 reaper and exits with its status, so the reaper is not a direct child of the owner. Process
@@ -35,13 +40,15 @@ import psutil
 
 SNAPSHOT_INTERVAL = 0.5
 OWNER_VAR = "TORCHRL_EXT_OWNER"
+REGISTRY_NAME = "registry.json"
 
 log = logging.getLogger("torchrl_ext.reaper")
 
 
 class Reaper:
-    def __init__(self, owner_pid: int, owner_ctime: float, fifo_path: str) -> None:
+    def __init__(self, owner_pid: int, owner_ctime: float, fifo_path: str, poll: bool = False) -> None:
         self.fifo_path = fifo_path
+        self.poll = poll  # no pidfd: poll the owner (macOS, old kernels, TORCHRL_EXT_PORTABLE)
         self.owner_pid = owner_pid
         self.owner_ctime = owner_ctime
         self.fifo_fd = os.open(fifo_path, os.O_RDWR | os.O_NONBLOCK)
@@ -49,6 +56,8 @@ class Reaper:
         self.workers: dict[int, tuple[float, int]] = {}  # pid -> (create_time, pgid)
         self.seen: dict[tuple[int, float], psutil.Process] = {}
         self.stop = False
+        self.registry_path = os.path.join(os.path.dirname(fifo_path), REGISTRY_NAME)
+        self.registry_dirty = False
 
     # --- owner liveness -------------------------------------------------------------------
     def owner_alive(self) -> bool:
@@ -77,14 +86,21 @@ class Reaper:
             op = msg.get("op")
             if op == "watch":
                 self.workers[int(msg["pid"])] = (float(msg["ctime"]), int(msg["pgid"]))
+                self.registry_dirty = True
             elif op == "unwatch":
                 pid = int(msg["pid"])
                 self.workers.pop(pid, None)
                 self.seen = {k: v for k, v in self.seen.items() if not _descends(v, pid)}
+                self.registry_dirty = True
             elif op == "exit":
                 self.stop = True
 
     def snapshot(self) -> None:
+        # Forget descendants that ended (a DataLoader per reset starts new ones every episode).
+        ended = [key for key, proc in self.seen.items() if not proc.is_running()]
+        for key in ended:
+            del self.seen[key]
+        known = len(self.seen)
         for pid, (ctime, _pgid) in list(self.workers.items()):
             try:
                 proc = psutil.Process(pid)
@@ -94,45 +110,31 @@ class Reaper:
                     self.seen[(child.pid, child.create_time())] = child
             except psutil.Error:
                 continue
+        if ended or len(self.seen) != known:
+            self.registry_dirty = True
+
+    def write_registry(self) -> None:
+        """Persist what we know for ``python -m torchrl_ext sweep`` (atomically; never raises)."""
+        if not self.registry_dirty:
+            return
+        self.registry_dirty = False
+        data = {
+            "owner_pid": self.owner_pid,
+            "owner_ctime": self.owner_ctime,
+            "workers": [[pid, ctime, pgid] for pid, (ctime, pgid) in self.workers.items()],
+            "seen": [[pid, ctime] for pid, ctime in self.seen],
+        }
+        tmp = self.registry_path + ".tmp"
+        try:
+            with open(tmp, "w") as fh:
+                json.dump(data, fh)
+            os.replace(tmp, self.registry_path)
+        except OSError:
+            pass
 
     # --- cleanup --------------------------------------------------------------------------
     def targets(self) -> list[psutil.Process]:
-        found: dict[tuple[int, float], psutil.Process] = {}
-        me = os.getpid()
-        for pid, (ctime, pgid) in self.workers.items():
-            try:
-                proc = psutil.Process(pid)
-                if abs(proc.create_time() - ctime) < 1e-3:
-                    found[(pid, ctime)] = proc
-            except psutil.Error:
-                pass
-            del pgid
-        for key, proc in self.seen.items():
-            if proc.is_running():
-                found[key] = proc
-        groups = {pgid: ctime for ctime, pgid in self.workers.values()}
-        for proc in psutil.process_iter():
-            if proc.pid == me:
-                continue
-            try:
-                ctime = proc.create_time()
-                pgid = os.getpgid(proc.pid)
-                if pgid in groups and ctime + 0.01 >= groups[pgid]:
-                    found[(proc.pid, ctime)] = proc
-                    continue
-                if ctime + 0.01 < self.owner_ctime:
-                    continue  # older than the owner: cannot carry its tag
-                value = proc.environ().get(OWNER_VAR, "")
-            except (psutil.Error, OSError):
-                continue
-            parts = value.split(":")
-            if len(parts) == 3 and parts[0] == str(self.owner_pid):
-                try:
-                    if abs(float(parts[1]) - self.owner_ctime) < 1e-3:
-                        found[(proc.pid, ctime)] = proc
-                except ValueError:
-                    continue
-        return [p for p in found.values() if _alive(p)]
+        return leftovers(self.owner_pid, self.owner_ctime, self.workers, self.seen)
 
     def cleanup(self) -> int:
         killed = 0
@@ -152,7 +154,7 @@ class Reaper:
     # --- main loop ------------------------------------------------------------------------
     def run(self) -> int:
         pidfd = None
-        if hasattr(os, "pidfd_open"):
+        if hasattr(os, "pidfd_open") and not self.poll:
             try:
                 pidfd = os.pidfd_open(self.owner_pid)
             except OSError:
@@ -187,6 +189,81 @@ class Reaper:
             if self.workers and now - last_snapshot >= SNAPSHOT_INTERVAL:
                 self.snapshot()
                 last_snapshot = now
+            self.write_registry()
+
+
+def leftovers(
+    owner_pid: int,
+    owner_ctime: float,
+    workers: dict[int, tuple[float, int]],
+    seen: dict[tuple[int, float], psutil.Process],
+) -> list[psutil.Process]:
+    """Live processes of an owner: its workers (pid and create time checked), the members of
+    their process groups born after them, the descendants ``seen`` that still run, and every
+    process carrying the owner's tag. Also used by ``python -m torchrl_ext sweep``.
+    """
+    found: dict[tuple[int, float], psutil.Process] = {}
+    me = os.getpid()
+    groups: dict[int, float] = {}
+    for pid, (ctime, pgid) in workers.items():
+        try:
+            proc = psutil.Process(pid)
+            if abs(proc.create_time() - ctime) < 1e-3:
+                found[(pid, ctime)] = proc
+            elif pgid == pid:
+                # The pid was reused, so no process is left in that group (Linux does not reuse
+                # a pid that still names a group): a group of that id now is someone else's.
+                continue
+        except psutil.Error:
+            pass
+        groups[pgid] = ctime
+    for key, proc in seen.items():
+        if proc.is_running():
+            found[key] = proc
+    for proc in psutil.process_iter():
+        if proc.pid == me:
+            continue
+        try:
+            ctime = proc.create_time()
+            pgid = os.getpgid(proc.pid)
+            if pgid in groups and ctime + 0.01 >= groups[pgid]:
+                found[(proc.pid, ctime)] = proc
+                continue
+            if ctime + 0.01 < owner_ctime:
+                continue  # older than the owner: cannot carry its tag
+            value = proc.environ().get(OWNER_VAR, "")
+        except (psutil.Error, OSError):
+            continue
+        parts = value.split(":")
+        if len(parts) == 3 and parts[0] == str(owner_pid):
+            try:
+                if abs(float(parts[1]) - owner_ctime) < 1e-3:
+                    found[(proc.pid, ctime)] = proc
+            except ValueError:
+                continue
+    return [p for p in found.values() if _alive(p)]
+
+
+def read_registry(path: str) -> tuple[int, float, list[psutil.Process]] | None:
+    """``(owner pid, owner create time, leftovers)`` from a reaper's registry file, or None
+    when it cannot be read. The caller checks that the owner is gone."""
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+        owner_pid, owner_ctime = int(data["owner_pid"]), float(data["owner_ctime"])
+        workers = {int(pid): (float(ctime), int(pgid)) for pid, ctime, pgid in data["workers"]}
+        seen_keys = [(int(pid), float(ctime)) for pid, ctime in data["seen"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    seen: dict[tuple[int, float], psutil.Process] = {}
+    for pid, ctime in seen_keys:
+        try:
+            proc = psutil.Process(pid)
+            if abs(proc.create_time() - ctime) < 1e-3:
+                seen[(pid, ctime)] = proc
+        except psutil.Error:
+            continue
+    return owner_pid, owner_ctime, leftovers(owner_pid, owner_ctime, workers, seen)
 
 
 def _alive(proc: psutil.Process) -> bool:
@@ -227,7 +304,8 @@ def main(argv: list[str]) -> int:
     if shim_code is not None:
         return shim_code
     owner_pid, owner_ctime, fifo_path = int(argv[1]), float(argv[2]), argv[3]
-    return Reaper(owner_pid, owner_ctime, fifo_path).run()
+    poll = len(argv) > 4 and argv[4] == "poll"
+    return Reaper(owner_pid, owner_ctime, fifo_path, poll).run()
 
 
 if __name__ == "__main__":

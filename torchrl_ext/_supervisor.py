@@ -204,6 +204,9 @@ class WorkerSupervisor:
         with self._lock:
             live = [w for w in self._workers if not w.finished]
         for worker in live:
+            # Forget descendants that ended: a DataLoader per reset starts new ones each episode.
+            for ended in [k for k, proc in worker.descendants.items() if not proc.is_running()]:
+                del worker.descendants[ended]
             for proc in _process_tree.descendants(worker.pid):
                 key = _process_tree.key_of(proc)
                 if key is not None:
