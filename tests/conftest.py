@@ -191,6 +191,8 @@ class ScenarioResult:
     stdout: str
     stderr: str
     seen_before_death: list[dict[str, Any]]
+    #: pid -> exit code (negative: the signal) of each process the harness reaped.
+    exit_codes: dict[int, int]
 
     @property
     def slowest_exit(self) -> float:
@@ -262,7 +264,13 @@ class Scenario:
             raise AssertionError(f"scenario hung (hard timeout {timeout}s):\n{out}\n{err}") from None
         data = json.loads(self.out.read_text())
         return ScenarioResult(
-            data["returncode"], data["survivors"], data["leaked"], out, err, data.get("seen_before_death", [])
+            data["returncode"],
+            data["survivors"],
+            data["leaked"],
+            out,
+            err,
+            data.get("seen_before_death", []),
+            {int(pid): int(code) for pid, code in data.get("exit_codes", {}).items()},
         )
 
     def kill(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -78,6 +79,9 @@ class ToyEnv(EnvBase):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if subprocess_kind is not None and self._in_worker():
             self._start_subprocess(subprocess_kind)
+        if pid_dir is not None and self._in_worker():
+            with open(os.path.join(pid_dir, f"pdeathsig-{os.getpid()}"), "w") as fh:
+                fh.write(str(_parent_death_signal()))
         if leak_in_init:  # a badly behaved env: its close() never stops this one
             cmd = [sys.executable, "-c", "import time\nwhile True: time.sleep(1)"]
             self._record("leak", subprocess.Popen(cmd).pid)
@@ -198,6 +202,15 @@ class ToyEnv(EnvBase):
         self._iter = None
         self._loader = None
         super().close(*args, **kwargs)
+
+
+def _parent_death_signal() -> int:
+    """This process's parent-death signal (``prctl(PR_GET_PDEATHSIG)``; 0: none or no prctl)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    value = ctypes.c_int(0)
+    if not hasattr(libc, "prctl") or libc.prctl(2, ctypes.byref(value), 0, 0, 0) != 0:
+        return 0
+    return value.value
 
 
 def make_env(**kwargs: Any) -> ToyEnv:

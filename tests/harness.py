@@ -5,9 +5,9 @@ Usage: ``python tests/harness.py OUT.json LINGER -- CMD...``
 The harness makes itself a child subreaper (Linux), runs CMD, and once CMD has exited keeps
 watching every descendant that was re-parented to it: it records how long after CMD's death
 each one disappeared, reaps them all (this process owns nothing else, so reaping any child is
-safe here), and SIGKILLs whatever is still alive LINGER seconds later, marking it leaked. The
-result goes to OUT.json. Written for tests: it keeps fault scenarios from leaving zombies on a
-machine whose PID 1 does not reap.
+safe here) and records their exit codes, and SIGKILLs whatever is still alive LINGER seconds
+later, marking it leaked. The result goes to OUT.json. Written for tests: it keeps fault
+scenarios from leaving zombies on a machine whose PID 1 does not reap.
 """
 
 from __future__ import annotations
@@ -24,14 +24,19 @@ import psutil
 PR_SET_CHILD_SUBREAPER = 36
 
 
+#: Exit code (negative: killed by that signal) of every process this harness reaped.
+EXIT_CODES: dict[int, int] = {}
+
+
 def _reap_all() -> None:
     while True:
         try:
-            pid, _status = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
+        EXIT_CODES[pid] = os.waitstatus_to_exitcode(status)
 
 
 def _describe(proc: psutil.Process) -> str:
@@ -84,9 +89,16 @@ def main() -> int:
             _reap_all()
             break
         time.sleep(0.01)
+    # A process whose main thread has exited shows as a zombie while its other threads still
+    # exit, and cannot be reaped until they have: wait for those too (bounded).
+    deadline = time.monotonic() + 5.0
+    while me.children() and time.monotonic() < deadline:
+        _reap_all()
+        time.sleep(0.01)
     result["survivors"] = list(survivors.values())
     result["leaked"] = leaked
     result["seen_before_death"] = list(seen.values())
+    result["exit_codes"] = {str(pid): code for pid, code in EXIT_CODES.items()}
     with open(out_path, "w") as fh:
         json.dump(result, fh)
     return 0

@@ -138,8 +138,18 @@ def test_sigkill_of_main_mid_long_step_leaves_nothing(
     children = {int(p.read_text()) for p in pid_dir.glob("*-*-*") if not p.name.startswith("stepping")}
     assert len(children) == 2 * 3, "each worker held 2 DataLoader workers and a setsid simulator"
     assert not [pid for pid in children if _alive(pid)]
+    # The Linux-only calls were made, or not: the parent-death signal each worker armed, and
+    # whether the reaper waited on a pidfd or polled.
+    pdeathsig = {int(p.read_text()) for p in pid_dir.glob("pdeathsig-*")}
+    from torchrl_ext import _platform
+
+    if busy == "portable":
+        assert pdeathsig == {0}, pdeathsig
+    elif _platform.has_prctl():
+        assert pdeathsig == {int(signal.SIGKILL)}, pdeathsig
+    polls = busy == "portable" or not _platform.has_pidfd()
     reapers = [s["cmdline"] for s in result.seen_before_death if "_reaper.py" in s["cmdline"]]
-    assert reapers and all(cmd.endswith(" poll") == (busy == "portable") for cmd in reapers), reapers
+    assert reapers and all(cmd.endswith(" poll") == polls for cmd in reapers), reapers
 
 
 def _alive(pid: int) -> bool:
@@ -194,12 +204,14 @@ def test_env_started_from_a_short_lived_thread_dies_with_main(scenario: Scenario
     _assert_nothing_leaked(result)
 
 
-def _progress(path: Path) -> dict[str, Any]:
-    while True:  # written by os.replace: a read sees a whole file
+def _progress(path: Path, timeout: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:  # written by os.replace, but the test may look before the first write
         try:
             return cast(dict[str, Any], json.loads(path.read_text()))
-        except ValueError:
-            continue
+        except (OSError, ValueError):
+            assert time.monotonic() < deadline, f"{path} never became readable"
+            time.sleep(0.05)
 
 
 @pytest.mark.parametrize("exit_with_parent", ["on", "off"])
@@ -234,6 +246,8 @@ def test_env_owner_whose_parent_dies(scenario: Scenario, exit_with_parent: str) 
     assert child in survivor, result.survivors
     if exit_with_parent == "on":
         assert "died: closing 1 managed env(s)" in result.stderr, result.stderr
+        assert result.exit_codes.get(child) == -signal.SIGTERM, result.exit_codes
     else:
         assert "died" not in result.stderr, result.stderr
+        assert result.exit_codes.get(child) == 0, result.exit_codes
     assert not [pid for pid in workers if psutil.pid_exists(int(pid))]

@@ -15,7 +15,8 @@ import psutil
 import pytest
 
 from tests.conftest import Scenario
-from torchrl_ext._reaper import Reaper
+from torchrl_ext import _platform
+from torchrl_ext._reaper import Reaper, Registry
 from torchrl_ext._sweep import find_orphans, leftover_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +40,7 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.compat
-def test_sweep_lists_then_kills_orphans_of_a_dead_owner() -> None:
+def test_sweep_lists_then_kills_orphans_of_a_dead_owner(tmp_path: Path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead_ctime = psutil.Process(dead.pid).create_time()
     dead.wait()
@@ -47,21 +48,23 @@ def test_sweep_lists_then_kills_orphans_of_a_dead_owner() -> None:
     orphan = _spawn_tagged(dead.pid, dead_ctime)  # owner gone
     reused = _spawn_tagged(me.pid, me.create_time() - 100.0)  # our pid, another create time
     mine = _spawn_tagged(me.pid, me.create_time())  # owner alive: not an orphan
+    # Only these owners (and no runtime directories of other runs on this machine).
+    scope = ["--owner", str(dead.pid), "--owner", str(me.pid), "--runtime-dir", str(tmp_path)]
     try:
         deadline = time.monotonic() + 30
-        while {orphan.pid, reused.pid} - {t.process.pid for t in find_orphans()}:
+        while {orphan.pid, reused.pid} - {t.process.pid for t in find_orphans(str(tmp_path))}:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        listed = _run_cli()
+        listed = _run_cli(*scope)
         assert listed.returncode == 1
         assert str(orphan.pid) in listed.stdout and str(reused.pid) in listed.stdout
         assert f"pid {mine.pid} " not in listed.stdout
-        killed = _run_cli("--kill", "--grace", "1")
+        killed = _run_cli("--kill", "--grace", "1", *scope)
         assert killed.returncode == 0, killed.stdout + killed.stderr
         assert orphan.wait(timeout=30) is not None and reused.wait(timeout=30) is not None
         assert mine.poll() is None
         assert mine.pid in {p.pid for p in leftover_processes()}
-        again = _run_cli()
+        again = _run_cli(*scope)
         assert again.returncode == 0 and "no orphaned" in again.stdout
     finally:
         for proc in (orphan, reused, mine):
@@ -88,16 +91,27 @@ def test_sweep_finds_forked_escapees_through_the_registry(scenario: Scenario, tm
     """Owner and reaper SIGKILLed together: a process forked (no exec) by a worker into a session
     of its own carries no visible tag and no worker's process group, yet the sweep finds it
     through the registry the reaper left, ends it and removes the runtime directory."""
-    pid_dir = tmp_path / "pids"
+    pid_dir, runtime_base = tmp_path / "pids", tmp_path / "runtime"
     pid_dir.mkdir()
-    scenario.start("rollout_forever", "--subprocess", "forked_setsid", "--pid-dir", str(pid_dir), linger=90.0)
+    runtime_base.mkdir()
+    scenario.start(
+        "rollout_forever",
+        "--subprocess",
+        "forked_setsid",
+        "--pid-dir",
+        str(pid_dir),
+        linger=90.0,
+        env_vars={"TMPDIR": str(runtime_base)},  # its runtime directory goes there
+    )
     ready = scenario.wait_ready()
     main = psutil.Process(int(ready["pid"]))
     _wait_for(lambda: len(list(pid_dir.glob("sim-*"))) == 2, "both workers started their escapee")
     escapees = {int(p.read_text()) for p in pid_dir.glob("sim-*")}
     reapers = [p for p in main.children(recursive=True) if "_reaper.py" in " ".join(p.cmdline())]
     assert len(reapers) == 2, reapers  # the shim and the reaper
-    runtime_dir = Path(reapers[0].cmdline()[-1]).parent
+    fifo = next(arg for arg in reapers[0].cmdline() if arg.endswith("reaper.fifo"))
+    runtime_dir = Path(fifo).parent
+    assert runtime_dir.parent == runtime_base
     registry = runtime_dir / "registry.json"
     _wait_for(lambda: _registry_lists(registry, escapees), "the reaper recorded the escapees")
 
@@ -106,13 +120,14 @@ def test_sweep_finds_forked_escapees_through_the_registry(scenario: Scenario, tm
     workers = [psutil.Process(pid) for pid in ready["workers"]]
     psutil.wait_procs(workers, timeout=30)  # parent-death signal
     assert all(psutil.pid_exists(pid) for pid in escapees), "the escapees should have outlived everything"
-    assert not {o.process.pid for o in find_orphans() if o.found_by == "tag"} & escapees
+    assert not {o.process.pid for o in find_orphans(str(tmp_path)) if o.found_by == "tag"} & escapees
 
-    listed = _run_cli()
+    scope = ["--owner", str(main.pid), "--runtime-dir", str(runtime_base)]
+    listed = _run_cli(*scope)
     assert listed.returncode == 1, listed.stdout + listed.stderr
     for pid in escapees:
         assert f"pid {pid} (owner pid {main.pid}, found by registry)" in listed.stdout, listed.stdout
-    killed = _run_cli("--kill", "--grace", "1")
+    killed = _run_cli("--kill", "--grace", "1", *scope)
     assert killed.returncode == 0, killed.stdout + killed.stderr
     assert f"removed runtime directory {runtime_dir}" in killed.stdout, killed.stdout
     assert not runtime_dir.exists()
@@ -140,17 +155,60 @@ def test_registry_forgets_descendants_that_ended(tmp_path: Path) -> None:
         os.mkfifo(fifo)
         me = psutil.Process()
         reaper = Reaper(me.pid, me.create_time(), str(fifo))
-        reaper.workers[worker.pid] = (psutil.Process(worker.pid).create_time(), worker.pid)
-        reaper.snapshot()
-        reaper.write_registry()
-        assert _registry_lists(tmp_path / "registry.json", {child})
-        os.kill(child, signal.SIGKILL)
-        _wait_for(lambda: not psutil.pid_exists(child), "the worker reaped its child")
-        reaper.snapshot()
-        reaper.write_registry()
-        data = json.loads((tmp_path / "registry.json").read_text())
-        assert data["seen"] == [] and data["workers"][0][0] == worker.pid
-        os.close(reaper.fifo_fd)
+        try:
+            reaper.workers[worker.pid] = (psutil.Process(worker.pid).create_time(), worker.pid)
+            reaper.snapshot()
+            reaper.write_registry()
+            assert _registry_lists(tmp_path / "registry.json", {child})
+            os.kill(child, signal.SIGKILL)
+            _wait_for(lambda: not psutil.pid_exists(child), "the worker reaped its child")
+            reaper.snapshot()
+            reaper.write_registry()
+            data = json.loads((tmp_path / "registry.json").read_text())
+            assert data["seen"] == [] and data["workers"][0][0] == worker.pid
+        finally:
+            os.close(reaper.fifo_fd)
     finally:
         worker.kill()
         worker.wait()
+
+
+def test_registry_group_of_a_dead_worker_needs_a_live_anchor() -> None:
+    """An old registry names a worker whose pid now leads nothing, while a stranger lives in a
+    process group of that id (a daemon that double-forked: its session leader exited). The sweep
+    leaves the stranger alone, unless the registry saw it (then it is ours, by identity)."""
+    code = (
+        "import os, sys, time\n"
+        "os.setsid()\n"
+        "if os.fork():\n"
+        "    os._exit(0)\n"
+        "print(os.getpid(), flush=True)\n"
+        "while True: time.sleep(1)\n"
+    )
+    was_subreaper = _platform.is_child_subreaper()
+    _platform.set_child_subreaper(True)  # the stranger is re-parented to us, not to PID 1
+    leader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    stranger: psutil.Process | None = None
+    try:
+        assert leader.stdout is not None
+        stranger = psutil.Process(int(leader.stdout.readline()))
+        leader.wait()
+        assert os.getpgid(stranger.pid) == leader.pid and not psutil.pid_exists(leader.pid)
+        me = psutil.Process()
+        owner = (me.pid, me.create_time() - 100.0)  # a dead owner, as in a registry left behind
+        workers = {leader.pid: (time.time() - 86400.0, leader.pid)}  # yesterday's worker
+        unanchored = Registry(*owner, workers, [])
+        assert stranger not in unanchored.leftovers()
+        anchored = Registry(*owner, workers, [(stranger.pid, stranger.create_time())])
+        assert stranger in anchored.leftovers()
+    finally:
+        leader.kill()
+        leader.wait()
+        if stranger is not None:
+            stranger.kill()
+            try:
+                os.waitpid(stranger.pid, 0)  # our child now (we are its subreaper)
+            except ChildProcessError:
+                pass
+        if not was_subreaper:
+            _platform.set_child_subreaper(False)

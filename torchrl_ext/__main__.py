@@ -28,11 +28,20 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="where the owners' torchrl_ext-* directories are (default: the temporary directory, $TMPDIR)",
     )
+    sweep.add_argument(
+        "--owner",
+        type=int,
+        action="append",
+        metavar="PID",
+        help="only processes and directories of this (dead) owner pid; may be repeated",
+    )
     args = parser.parse_args(argv)
 
     from ._sweep import sweep_orphans
 
-    found, alive, removed = sweep_orphans(kill=args.kill, grace=args.grace, base=args.runtime_dir)
+    found, alive, removed = sweep_orphans(
+        kill=args.kill, grace=args.grace, base=args.runtime_dir, owners=args.owner
+    )
     out = sys.stdout
     for path in removed:
         out.write(f"removed runtime directory {path}\n")

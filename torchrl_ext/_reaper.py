@@ -35,6 +35,7 @@ import shutil
 import signal
 import sys
 import time
+from typing import NamedTuple
 
 import psutil
 
@@ -58,6 +59,8 @@ class Reaper:
         self.stop = False
         self.registry_path = os.path.join(os.path.dirname(fifo_path), REGISTRY_NAME)
         self.registry_dirty = False
+        #: Process groups of workers alive at the last snapshot or reported since.
+        self.recent_groups: set[int] = set()
 
     # --- owner liveness -------------------------------------------------------------------
     def owner_alive(self) -> bool:
@@ -83,9 +86,12 @@ class Reaper:
                 msg = json.loads(line)
             except ValueError:
                 continue
+            if not isinstance(msg, dict):
+                continue
             op = msg.get("op")
             if op == "watch":
                 self.workers[int(msg["pid"])] = (float(msg["ctime"]), int(msg["pgid"]))
+                self.recent_groups.add(int(msg["pgid"]))
                 self.registry_dirty = True
             elif op == "unwatch":
                 pid = int(msg["pid"])
@@ -101,11 +107,13 @@ class Reaper:
         for key in ended:
             del self.seen[key]
         known = len(self.seen)
-        for pid, (ctime, _pgid) in list(self.workers.items()):
+        self.recent_groups = set()
+        for pid, (ctime, pgid) in list(self.workers.items()):
             try:
                 proc = psutil.Process(pid)
                 if abs(proc.create_time() - ctime) > 1e-3:
                     continue
+                self.recent_groups.add(pgid)
                 for child in proc.children(recursive=True):
                     self.seen[(child.pid, child.create_time())] = child
             except psutil.Error:
@@ -134,7 +142,9 @@ class Reaper:
 
     # --- cleanup --------------------------------------------------------------------------
     def targets(self) -> list[psutil.Process]:
-        return leftovers(self.owner_pid, self.owner_ctime, self.workers, self.seen)
+        return leftovers(
+            self.owner_pid, self.owner_ctime, self.workers, self.seen, frozenset(self.recent_groups)
+        )
 
     def cleanup(self) -> int:
         killed = 0
@@ -197,29 +207,36 @@ def leftovers(
     owner_ctime: float,
     workers: dict[int, tuple[float, int]],
     seen: dict[tuple[int, float], psutil.Process],
+    recent_groups: frozenset[int] = frozenset(),
 ) -> list[psutil.Process]:
-    """Live processes of an owner: its workers (pid and create time checked), the members of
-    their process groups born after them, the descendants ``seen`` that still run, and every
-    process carrying the owner's tag. Also used by ``python -m torchrl_ext sweep``.
+    """Live processes of an owner: its workers (pid and create time checked), the descendants
+    ``seen`` that still run, the members of the workers' process groups born after them, and
+    every process carrying the owner's tag. Also used by ``python -m torchrl_ext sweep``.
+
+    A group counts only while it is anchored: its worker, or a process of ``seen``, is alive in
+    it (identity checked), or it is in ``recent_groups`` (the reaper's groups of workers alive
+    at its last snapshot, half a second ago at most). An unanchored group id may have been
+    recycled (a pid is reused once its group is empty) and is left alone.
     """
     found: dict[tuple[int, float], psutil.Process] = {}
     me = os.getpid()
-    groups: dict[int, float] = {}
-    for pid, (ctime, pgid) in workers.items():
+    for pid, (ctime, _pgid) in workers.items():
         try:
             proc = psutil.Process(pid)
             if abs(proc.create_time() - ctime) < 1e-3:
                 found[(pid, ctime)] = proc
-            elif pgid == pid:
-                # The pid was reused, so no process is left in that group (Linux does not reuse
-                # a pid that still names a group): a group of that id now is someone else's.
-                continue
         except psutil.Error:
-            pass
-        groups[pgid] = ctime
+            continue
     for key, proc in seen.items():
         if proc.is_running():
             found[key] = proc
+    anchored = set(recent_groups)
+    for proc in found.values():
+        try:
+            anchored.add(os.getpgid(proc.pid))
+        except OSError:
+            continue
+    groups = {pgid: ctime for ctime, pgid in workers.values() if pgid in anchored}
     for proc in psutil.process_iter():
         if proc.pid == me:
             continue
@@ -244,26 +261,40 @@ def leftovers(
     return [p for p in found.values() if _alive(p)]
 
 
-def read_registry(path: str) -> tuple[int, float, list[psutil.Process]] | None:
-    """``(owner pid, owner create time, leftovers)`` from a reaper's registry file, or None
-    when it cannot be read. The caller checks that the owner is gone."""
+class Registry(NamedTuple):
+    """What a reaper recorded (``registry.json``)."""
+
+    owner_pid: int
+    owner_ctime: float
+    workers: dict[int, tuple[float, int]]  # pid -> (create time, process group)
+    seen: list[tuple[int, float]]  # (pid, create time) of descendants
+
+    def leftovers(self) -> list[psutil.Process]:
+        """The owner's processes still alive (see :func:`leftovers`)."""
+        seen: dict[tuple[int, float], psutil.Process] = {}
+        for pid, ctime in self.seen:
+            try:
+                proc = psutil.Process(pid)
+                if abs(proc.create_time() - ctime) < 1e-3:
+                    seen[(pid, ctime)] = proc
+            except psutil.Error:
+                continue
+        return leftovers(self.owner_pid, self.owner_ctime, self.workers, seen)
+
+
+def load_registry(path: str) -> Registry | None:
+    """Parse a reaper's registry file; None when it is missing or unreadable."""
     try:
         with open(path) as fh:
             data = json.load(fh)
-        owner_pid, owner_ctime = int(data["owner_pid"]), float(data["owner_ctime"])
-        workers = {int(pid): (float(ctime), int(pgid)) for pid, ctime, pgid in data["workers"]}
-        seen_keys = [(int(pid), float(ctime)) for pid, ctime in data["seen"]]
+        return Registry(
+            int(data["owner_pid"]),
+            float(data["owner_ctime"]),
+            {int(pid): (float(ctime), int(pgid)) for pid, ctime, pgid in data["workers"]},
+            [(int(pid), float(ctime)) for pid, ctime in data["seen"]],
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    seen: dict[tuple[int, float], psutil.Process] = {}
-    for pid, ctime in seen_keys:
-        try:
-            proc = psutil.Process(pid)
-            if abs(proc.create_time() - ctime) < 1e-3:
-                seen[(pid, ctime)] = proc
-        except psutil.Error:
-            continue
-    return owner_pid, owner_ctime, leftovers(owner_pid, owner_ctime, workers, seen)
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -204,13 +204,15 @@ class WorkerSupervisor:
         with self._lock:
             live = [w for w in self._workers if not w.finished]
         for worker in live:
-            # Forget descendants that ended: a DataLoader per reset starts new ones each episode.
-            for ended in [k for k, proc in worker.descendants.items() if not proc.is_running()]:
-                del worker.descendants[ended]
+            # Forget descendants that ended (a DataLoader per reset starts new ones every
+            # episode). A new dict replaces the old one, so readers in other threads never see
+            # it change size under them.
+            descendants = {k: proc for k, proc in worker.descendants.items() if proc.is_running()}
             for proc in _process_tree.descendants(worker.pid):
                 key = _process_tree.key_of(proc)
                 if key is not None:
-                    worker.descendants.setdefault(key, proc)
+                    descendants.setdefault(key, proc)
+            worker.descendants = descendants
 
     def poll(self) -> None:
         """Synchronously notice workers that have exited (cheap: one select)."""

@@ -20,15 +20,23 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import psutil
 
 from ._process_tree import key_of, kill_and_reap
-from ._reaper import REGISTRY_NAME, read_registry
+from ._reaper import REGISTRY_NAME, Registry, load_registry
 from ._tag import Tag, read_tag
 
-__all__ = ["Orphan", "find_orphans", "leftover_processes", "stale_runtime_dirs", "sweep_orphans"]
+__all__ = [
+    "Orphan",
+    "RuntimeDir",
+    "find_orphans",
+    "leftover_processes",
+    "stale_runtime_dirs",
+    "sweep_orphans",
+]
 
 _RUNTIME_DIR = re.compile(r"torchrl_ext-(\d+)-")
 
@@ -90,41 +98,51 @@ def _owner_alive(pid: int, ctime: float | None) -> bool:
         return False
 
 
-def stale_runtime_dirs(base: str | None = None) -> list[str]:
-    """Runtime directories (``torchrl_ext-<owner pid>-*`` under ``base``, default the temporary
-    directory) whose owner is gone: the registry's owner identity when there is one, else the
-    pid in the name."""
+@dataclass(frozen=True)
+class RuntimeDir:
+    """A ``torchrl_ext-<owner pid>-*`` directory (the reaper's FIFO, registry, error reports)."""
+
+    path: str
+    owner_pid: int
+    registry: Registry | None
+
+
+def stale_runtime_dirs(base: str | None = None, owners: Collection[int] | None = None) -> list[RuntimeDir]:
+    """Runtime directories under ``base`` (default: the temporary directory) whose owner is gone:
+    by the registry's owner identity when there is one, else by the pid in the name. ``owners``
+    limits them to those pids."""
     stale = []
     for path in glob.glob(os.path.join(base or tempfile.gettempdir(), "torchrl_ext-*")):
         match = _RUNTIME_DIR.match(os.path.basename(path))
         if match is None or not os.path.isdir(path):
             continue
-        registry = read_registry(os.path.join(path, REGISTRY_NAME))
-        if registry is not None:
-            alive = _owner_alive(registry[0], registry[1])
-        else:
-            alive = _owner_alive(int(match.group(1)), None)
-        if not alive:
-            stale.append(path)
+        registry = load_registry(os.path.join(path, REGISTRY_NAME))
+        owner_pid = registry.owner_pid if registry is not None else int(match.group(1))
+        if owners is not None and owner_pid not in owners:
+            continue
+        if not _owner_alive(owner_pid, registry.owner_ctime if registry is not None else None):
+            stale.append(RuntimeDir(path, owner_pid, registry))
     return stale
 
 
-def find_orphans(base: str | None = None) -> list[Orphan]:
-    """Processes of managed envs whose owner process no longer exists (by tag and by registry)."""
+def find_orphans(base: str | None = None, owners: Collection[int] | None = None) -> list[Orphan]:
+    """Processes of managed envs whose owner process no longer exists, found by tag and through
+    the registries in ``base`` (default: the temporary directory); ``owners`` limits them to
+    those owner pids."""
     found: dict[tuple[int, float], Orphan] = {}
     for t in _tagged():
         key = key_of(t.process)
+        if owners is not None and t.tag.owner_pid not in owners:
+            continue
         if key is not None and not t.tag.owner_alive():
             found[key] = Orphan(t.process, t.tag.owner_pid, "tag", t.tag.env_id, t.worker)
-    for path in stale_runtime_dirs(base):
-        registry = read_registry(os.path.join(path, REGISTRY_NAME))
-        if registry is None:
+    for runtime_dir in stale_runtime_dirs(base, owners):
+        if runtime_dir.registry is None:
             continue
-        owner_pid, _ctime, procs = registry
-        for proc in procs:
+        for proc in runtime_dir.registry.leftovers():
             key = key_of(proc)
             if key is not None and key not in found and proc.pid != os.getpid():
-                found[key] = Orphan(proc, owner_pid, "registry")
+                found[key] = Orphan(proc, runtime_dir.owner_pid, "registry")
     return list(found.values())
 
 
@@ -157,22 +175,26 @@ def leftover_processes(owner_pid: int | None = None) -> list[psutil.Process]:
 
 
 def sweep_orphans(
-    kill: bool, grace: float = 3.0, base: str | None = None
+    kill: bool, grace: float = 3.0, base: str | None = None, owners: Collection[int] | None = None
 ) -> tuple[list[Orphan], list[Orphan], list[str]]:
-    """Find orphans; with ``kill`` end them and remove the runtime directories of dead owners.
+    """Find orphans; with ``kill`` end them, then remove the runtime directory of each dead owner
+    none of whose processes is left. ``base`` and ``owners`` as for :func:`find_orphans`.
 
     Returns ``(found, still_alive, removed_dirs)``.
     """
-    found = find_orphans(base)
+    found = find_orphans(base, owners)
     if kill and found:
         kill_and_reap([t.process for t in found], grace, what="orphaned torchrl_ext")
     alive = [t for t in found if t.process.is_running() and _not_zombie(t.process)]
     removed = []
-    if kill and not alive:
-        for path in stale_runtime_dirs(base):
-            shutil.rmtree(path, ignore_errors=True)
-            if not os.path.exists(path):
-                removed.append(path)
+    if kill:
+        blocked = {t.owner_pid for t in alive}
+        for runtime_dir in stale_runtime_dirs(base, owners):
+            if runtime_dir.owner_pid in blocked:
+                continue
+            shutil.rmtree(runtime_dir.path, ignore_errors=True)
+            if not os.path.exists(runtime_dir.path):
+                removed.append(runtime_dir.path)
     return found, alive, removed
 
 
