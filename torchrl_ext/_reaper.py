@@ -64,9 +64,9 @@ class Reaper:
 
     # --- owner liveness -------------------------------------------------------------------
     def owner_alive(self) -> bool:
+        owner = same_process(self.owner_pid, self.owner_ctime)
         try:
-            proc = psutil.Process(self.owner_pid)
-            return abs(proc.create_time() - self.owner_ctime) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE
+            return owner is not None and owner.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
             return False
 
@@ -109,12 +109,12 @@ class Reaper:
         known = len(self.seen)
         self.recent_groups = set()
         for pid, (ctime, pgid) in list(self.workers.items()):
+            worker = same_process(pid, ctime)
+            if worker is None:
+                continue
+            self.recent_groups.add(pgid)
             try:
-                proc = psutil.Process(pid)
-                if abs(proc.create_time() - ctime) > 1e-3:
-                    continue
-                self.recent_groups.add(pgid)
-                for child in proc.children(recursive=True):
+                for child in worker.children(recursive=True):
                     self.seen[(child.pid, child.create_time())] = child
             except psutil.Error:
                 continue
@@ -221,12 +221,9 @@ def leftovers(
     found: dict[tuple[int, float], psutil.Process] = {}
     me = os.getpid()
     for pid, (ctime, _pgid) in workers.items():
-        try:
-            proc = psutil.Process(pid)
-            if abs(proc.create_time() - ctime) < 1e-3:
-                found[(pid, ctime)] = proc
-        except psutil.Error:
-            continue
+        worker = same_process(pid, ctime)
+        if worker is not None:
+            found[(pid, ctime)] = worker
     for key, proc in seen.items():
         if proc.is_running():
             found[key] = proc
@@ -271,15 +268,9 @@ class Registry(NamedTuple):
 
     def leftovers(self) -> list[psutil.Process]:
         """The owner's processes still alive (see :func:`leftovers`)."""
-        seen: dict[tuple[int, float], psutil.Process] = {}
-        for pid, ctime in self.seen:
-            try:
-                proc = psutil.Process(pid)
-                if abs(proc.create_time() - ctime) < 1e-3:
-                    seen[(pid, ctime)] = proc
-            except psutil.Error:
-                continue
-        return leftovers(self.owner_pid, self.owner_ctime, self.workers, seen)
+        seen = {(pid, ctime): same_process(pid, ctime) for pid, ctime in self.seen}
+        live = {key: proc for key, proc in seen.items() if proc is not None}
+        return leftovers(self.owner_pid, self.owner_ctime, self.workers, live)
 
 
 def load_registry(path: str) -> Registry | None:
@@ -294,6 +285,15 @@ def load_registry(path: str) -> Registry | None:
             [(int(pid), float(ctime)) for pid, ctime in data["seen"]],
         )
     except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def same_process(pid: int, ctime: float) -> psutil.Process | None:
+    """The process ``pid`` if it still is the one created at ``ctime`` (not a reused pid)."""
+    try:
+        proc = psutil.Process(pid)
+        return proc if abs(proc.create_time() - ctime) < 1e-3 else None
+    except psutil.Error:
         return None
 
 
