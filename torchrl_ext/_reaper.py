@@ -64,11 +64,7 @@ class Reaper:
 
     # --- owner liveness -------------------------------------------------------------------
     def owner_alive(self) -> bool:
-        owner = same_process(self.owner_pid, self.owner_ctime)
-        try:
-            return owner is not None and owner.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
+        return running(self.owner_pid, self.owner_ctime)
 
     # --- messages -------------------------------------------------------------------------
     def read_messages(self) -> None:
@@ -295,6 +291,16 @@ def same_process(pid: int, ctime: float) -> psutil.Process | None:
         return proc if abs(proc.create_time() - ctime) < 1e-3 else None
     except psutil.Error:
         return None
+
+
+def running(pid: int, ctime: float | None) -> bool:
+    """Whether ``pid`` runs (not a zombie) and, when ``ctime`` is given, is the process created
+    then."""
+    try:
+        proc = psutil.Process(pid) if ctime is None else same_process(pid, ctime)
+        return proc is not None and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import psutil
 
 from ._process_tree import key_of, kill_and_reap
-from ._reaper import REGISTRY_NAME, Registry, load_registry
+from ._reaper import REGISTRY_NAME, Registry, load_registry, running
 from ._tag import Tag, read_tag
 
 __all__ = [
@@ -88,16 +88,6 @@ def _tagged() -> list[TaggedProcess]:
     return found
 
 
-def _owner_alive(pid: int, ctime: float | None) -> bool:
-    try:
-        proc = psutil.Process(pid)
-        if ctime is not None and abs(proc.create_time() - ctime) >= 1e-3:
-            return False
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 @dataclass(frozen=True)
 class RuntimeDir:
     """A ``torchrl_ext-<owner pid>-*`` directory (the reaper's FIFO, registry, error reports)."""
@@ -120,7 +110,7 @@ def stale_runtime_dirs(base: str | None = None, owners: Collection[int] | None =
         owner_pid = registry.owner_pid if registry is not None else int(match.group(1))
         if owners is not None and owner_pid not in owners:
             continue
-        if not _owner_alive(owner_pid, registry.owner_ctime if registry is not None else None):
+        if not running(owner_pid, registry.owner_ctime if registry is not None else None):
             stale.append(RuntimeDir(path, owner_pid, registry))
     return stale
 
