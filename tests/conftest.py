@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,6 +144,14 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         except (ChildProcessError, OSError):
             pass
     pytest.fail(message)
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Poll ``predicate`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not reached in {timeout}s"
+        time.sleep(0.05)
 
 
 def kill_tree(pid: int, timeout: float = 10.0) -> None:

@@ -15,7 +15,7 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.collector_scenarios import check_toy_batch, collector_classes, make_managed_env, make_policy
-from tests.conftest import Scenario, ScenarioResult
+from tests.conftest import Scenario, ScenarioResult, wait_until
 from torchrl_ext import DaemonicParentError
 from torchrl_ext._compat import HAS_DAEMON_KWARG
 
@@ -50,13 +50,6 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
-
-
-def _wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not reached in {timeout}s"
-        time.sleep(0.05)
 
 
 # --------------------------------------------------------------------------- one process
@@ -131,7 +124,7 @@ def test_sigkill_of_training_process_leaves_nothing(
         module="tests.collector_scenarios",
     )
     ready = scenario.wait_ready(timeout=240)
-    _wait_for(lambda: len(_pids(pid_dir, "dl")) >= 8, 60, "every DataLoader worker started")
+    wait_until(lambda: len(_pids(pid_dir, "dl")) >= 8, "every DataLoader worker started", timeout=60)
     env_workers = {int(p.name.split("-")[1]) for p in pid_dir.glob("dl-*")}
     assert len(env_workers) == 2 * 2
     os.kill(ready["pid"], signal.SIGKILL)

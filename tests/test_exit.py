@@ -11,14 +11,13 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
 import psutil
 import pytest
 
-from tests.conftest import Scenario
+from tests.conftest import Scenario, wait_until
 
 LINGER = 5.0  # the guarantee is 2 s; slack for a loaded 2-core CI machine
 
@@ -128,7 +127,7 @@ def test_sigkill_of_main_mid_long_step_leaves_nothing(
     )
     ready = scenario.wait_ready(timeout=240)
     # Kill the main process like the OOM killer would, once both workers are inside the step.
-    _wait_for(lambda: len(list(pid_dir.glob("stepping-*"))) >= 2, timeout=120)
+    wait_until(lambda: len(list(pid_dir.glob("stepping-*"))) >= 2, "both workers in the step", timeout=120)
     os.kill(ready["pid"], signal.SIGKILL)
     result = scenario.finish(timeout=120)
     assert result.returncode == -signal.SIGKILL
@@ -157,13 +156,6 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
-
-
-def _wait_for(predicate: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def test_direct_children_killed_then_main_exits_leaves_nothing(scenario: Scenario, tmp_path: Path) -> None:
@@ -226,18 +218,15 @@ def test_env_owner_whose_parent_dies(scenario: Scenario, exit_with_parent: str) 
     assert len(workers) == 2
     if exit_with_parent == "off":
         # The child outlives its parent and keeps stepping (its parent is now the harness).
-        deadline = time.monotonic() + 60
-        while True:
-            state = _progress(progress)
-            if state["ppid"] != ready["pid"] and not psutil.pid_exists(int(ready["pid"])):
-                steps = int(state["steps"])
-                break
-            assert time.monotonic() < deadline, "the parent never died"
-            time.sleep(0.05)
-        deadline = time.monotonic() + 60
-        while int(_progress(progress)["steps"]) <= steps:
-            assert time.monotonic() < deadline, "the env stopped stepping after its owner's parent died"
-            time.sleep(0.05)
+        wait_until(
+            lambda: _progress(progress)["ppid"] != ready["pid"] and not psutil.pid_exists(int(ready["pid"])),
+            "the parent died",
+        )
+        steps = int(_progress(progress)["steps"])
+        wait_until(
+            lambda: int(_progress(progress)["steps"]) > steps,
+            "the env kept stepping after its owner's parent died",
+        )
         stop.touch()
     result = scenario.finish(timeout=120)
     assert result.returncode == 0, result.stderr

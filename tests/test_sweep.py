@@ -8,13 +8,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.conftest import Scenario
+from tests.conftest import Scenario, wait_until
 from torchrl_ext import _platform
 from torchrl_ext._reaper import Reaper, Registry
 from torchrl_ext._sweep import find_orphans, leftover_processes
@@ -72,13 +71,6 @@ def test_sweep_lists_then_kills_orphans_of_a_dead_owner(tmp_path: Path) -> None:
             proc.wait()
 
 
-def _wait_for(check: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
-
-
 def _registry_lists(path: Path, pids: set[int]) -> bool:
     try:
         data = json.loads(path.read_text())
@@ -105,7 +97,7 @@ def test_sweep_finds_forked_escapees_through_the_registry(scenario: Scenario, tm
     )
     ready = scenario.wait_ready()
     main = psutil.Process(int(ready["pid"]))
-    _wait_for(lambda: len(list(pid_dir.glob("sim-*"))) == 2, "both workers started their escapee")
+    wait_until(lambda: len(list(pid_dir.glob("sim-*"))) == 2, "both workers started their escapee")
     escapees = {int(p.read_text()) for p in pid_dir.glob("sim-*")}
     reapers = [p for p in main.children(recursive=True) if "_reaper.py" in " ".join(p.cmdline())]
     assert len(reapers) == 2, reapers  # the shim and the reaper
@@ -113,7 +105,7 @@ def test_sweep_finds_forked_escapees_through_the_registry(scenario: Scenario, tm
     runtime_dir = Path(fifo).parent
     assert runtime_dir.parent == runtime_base
     registry = runtime_dir / "registry.json"
-    _wait_for(lambda: _registry_lists(registry, escapees), "the reaper recorded the escapees")
+    wait_until(lambda: _registry_lists(registry, escapees), "the reaper recorded the escapees")
 
     for proc in [*reapers, main]:  # a node-wide kill: the reaper goes with its owner
         proc.kill()
@@ -161,7 +153,7 @@ def test_registry_forgets_descendants_that_ended(tmp_path: Path) -> None:
             reaper.write_registry()
             assert _registry_lists(tmp_path / "registry.json", {child})
             os.kill(child, signal.SIGKILL)
-            _wait_for(lambda: not psutil.pid_exists(child), "the worker reaped its child")
+            wait_until(lambda: not psutil.pid_exists(child), "the worker reaped its child")
             reaper.snapshot()
             reaper.write_registry()
             data = json.loads((tmp_path / "registry.json").read_text())
