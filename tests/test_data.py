@@ -21,6 +21,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 from torch.utils.data import Dataset
+from torch.utils.data._utils import signal_handling
 
 from torchrl_ext.data import (
     EpisodeLoader,
@@ -180,8 +181,14 @@ def test_pickled_loader_is_an_unstarted_copy() -> None:
 # --------------------------------------------------------------------- DataLoader backend
 def _forked_child_uses_copy(loader: EpisodeLoader[Any], q: Any) -> None:
     try:
+        inherited = id(loader._iterator)
         got = [_idx(next(loader)) for _ in range(N_EPISODES)]
         loader.close()
+        # torch registers each live iterator's worker pids in a process-wide table keyed by
+        # id(); the fork copied the parent's entry. Were it left here, a new iterator that
+        # reuses that id() could not start ("_set_worker_pids should be called only once").
+        signal_handling._set_worker_pids(inherited, (os.getpid(),))
+        signal_handling._remove_worker_pids(inherited)
         q.put(("ok", got))
     except BaseException:
         q.put(("error", traceback.format_exc()))

@@ -13,6 +13,7 @@ from typing import Any, Generic, Literal, TypeVar, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.data._utils import signal_handling as _signal_handling
 
 from ._prefetch import ThreadPrefetcher
 from ._sampler import EpisodeSampler, derive_seed
@@ -298,6 +299,13 @@ class EpisodeLoader(Generic[T]):
         if iterator is not None and hasattr(iterator, "_shutdown"):
             # Otherwise the copy's __del__ would signal the PARENT's workers to exit.
             iterator._shutdown = True
+            if getattr(iterator, "_worker_pids_set", False):
+                # torch keeps each live iterator's worker pids in a process-wide table keyed by
+                # id(), and the fork copied the parent's entry (the parent's own table is not
+                # touched here). Left in place, a new iterator that reuses this id() fails to
+                # start: "_set_worker_pids should be called only once".
+                _signal_handling._remove_worker_pids(id(iterator))
+                cast(Any, iterator)._worker_pids_set = False
         if self._prefetcher is not None:
             self._prefetcher.close()  # fork-aware: only marks the copy closed
         closed = self._closed
