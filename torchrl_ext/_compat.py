@@ -1,11 +1,25 @@
-"""What differs between the TorchRL releases we support (0.10 and >= 0.11).
+"""Everything we rely on inside TorchRL, in one place: feature checks and scoped patches.
 
 Feature detection, not version strings: torchrl 0.10.1 wheels report ``0.0.0+unknown``.
+
+Patches follow one rule (:class:`ScopedPatch`): a module attribute is replaced only while a
+managed env needs it, the replacement falls through to whatever was there before for anything
+that is not ours, and leaving the scope puts back exactly what was current when it was entered
+(a user's, a profiler's or a test's own patch included), unless someone replaced ours in the
+meantime, in which case theirs stays.
+
+How a worker learns it is managed: nothing of ours wraps the user's env factory (TorchRL sends
+an ``EnvCreator`` through multiprocessing's own pickler so that its shared tensors and
+``mp.Value``s stay shared; a wrapper would make TorchRL cloudpickle it, which copies them).
+Instead the per-worker ``create_env_kwargs`` dict is swapped, during ``_start_workers`` only, for
+a :class:`ConfiguredKwargs`: the same items plus our config, unpacked by our worker entry
+before TorchRL's worker function runs, so the factory receives exactly the user's kwargs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import threading
 from collections.abc import Callable, Iterator
@@ -13,12 +27,18 @@ from typing import Any
 
 from torchrl.envs import ParallelEnv, batched_envs
 
+from . import _worker
+from ._worker import WorkerConfig
+
 __all__ = [
     "HAS_DAEMON_KWARG",
     "HAS_SHUTDOWN_TIMEOUT_KWARG",
+    "UPSTREAM_DEFAULTS",
+    "ConfiguredKwargs",
+    "ScopedPatch",
     "SupervisedWorkers",
+    "install_fault_check",
     "managed_worker_targets",
-    "original_worker_entry",
 ]
 
 _init_params = inspect.signature(ParallelEnv.__init__).parameters
@@ -27,49 +47,169 @@ HAS_DAEMON_KWARG = "daemon" in _init_params
 #: TorchRL >= 0.13: ``shutdown_timeout=`` exists upstream.
 HAS_SHUTDOWN_TIMEOUT_KWARG = "shutdown_timeout" in _init_params
 
-_ENTRY_NAMES = ("_run_worker_pipe_shared_mem", "_run_worker_pipe_direct")
-# Captured at import, before any swap: a forked child sees these, never our replacements.
-_ORIGINAL_ENTRIES: dict[str, Callable[..., Any]] = {
-    name: getattr(batched_envs, name) for name in _ENTRY_NAMES
+
+def _default_of(name: str, fallback: Any) -> Any:
+    param = _init_params.get(name)
+    if param is None or param.default is inspect.Parameter.empty:
+        return fallback
+    return param.default
+
+
+#: The installed TorchRL's own defaults; ``ManagedParallelEnv`` uses the same.
+#: 0.10 has no ``daemon`` argument (workers are always daemonic) and waits 10 s on close.
+UPSTREAM_DEFAULTS: dict[str, Any] = {
+    "daemon": bool(_default_of("daemon", True)),
+    "shutdown_timeout": float(_default_of("shutdown_timeout", 10.0)),
+    "raise_if_closed": bool(
+        inspect.signature(ParallelEnv.close).parameters["raise_if_closed"].default
+        if "raise_if_closed" in inspect.signature(ParallelEnv.close).parameters
+        else True
+    ),
 }
-_swap_lock = threading.RLock()
-_swap_depth = 0
+
+#: The private TorchRL names this package relies on (checked by ``tests/test_compat.py``).
+PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
+    "torchrl.envs.batched_envs": (
+        "_run_worker_pipe_shared_mem",
+        "_run_worker_pipe_direct",
+        "_check_for_faulty_process",
+        "get_env_metadata",
+    ),
+    "torchrl.envs.batched_envs.ParallelEnv": (
+        "_start_workers",
+        "_shutdown_workers",
+        "_wait_for_workers",
+        "_reset",
+        "_step",
+        "create_env_fn",
+        "create_env_kwargs",
+        "parent_channels",
+        "_workers",
+        "BATCHED_PIPE_TIMEOUT",
+    ),
+}
 
 
-def original_worker_entry(name: str) -> Callable[..., Any]:
-    """TorchRL's own worker function ``name``."""
-    return _ORIGINAL_ENTRIES[name]
+class ScopedPatch:
+    """Replace ``module.name`` while at least one scope is active; nest-safe and thread-safe.
+
+    ``make(previous)`` builds the replacement from the value that was current on entry.
+
+    Example:
+        >>> import types
+        >>> mod = types.SimpleNamespace(f=lambda: "theirs")
+        >>> patch = ScopedPatch(mod, "f", lambda previous: lambda: "ours, then " + previous())
+        >>> with patch.active():
+        ...     mod.f()
+        'ours, then theirs'
+        >>> mod.f()
+        'theirs'
+    """
+
+    def __init__(self, module: Any, name: str, make: Callable[[Any], Any]) -> None:
+        self._module = module
+        self._name = name
+        self._make = make
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._previous: Any = None
+        self._installed: Any = None
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[Any]:
+        with self._lock:
+            if self._depth == 0:
+                self._previous = getattr(self._module, self._name)
+                self._installed = self._make(self._previous)
+                setattr(self._module, self._name, self._installed)
+            self._depth += 1
+            installed = self._installed
+        try:
+            yield installed
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    if getattr(self._module, self._name) is self._installed:
+                        setattr(self._module, self._name, self._previous)
+                    self._previous = self._installed = None
+
+
+# --------------------------------------------------------------------------- worker entries
+class ConfiguredKwargs(dict[str, Any]):
+    """A worker's ``create_env_kwargs`` carrying our :class:`WorkerConfig` alongside.
+
+    Pickles its items exactly as the plain dict would (so shared tensors stay shared) and
+    is unpacked back into a plain dict in the worker before the factory sees it.
+    """
+
+    def __init__(self, items: Any, config: WorkerConfig) -> None:
+        super().__init__(items or {})
+        self.trx_config = config
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ConfiguredKwargs, (dict(self), self.trx_config))
+
+
+def _resolve_entry(name: str) -> Callable[..., Any]:
+    """In a spawned or forkserver child: TorchRL's worker function as that process has it."""
+    entry = getattr(importlib.import_module("torchrl.envs.batched_envs"), name)
+    found: Callable[..., Any] = entry._previous if isinstance(entry, _ManagedEntry) else entry
+    return found
+
+
+class _ManagedEntry:
+    """Stands in for one of TorchRL's worker functions while a managed env starts its workers.
+
+    A worker whose kwargs carry our config is prepared by ``_worker.run_managed``; any other
+    (an upstream env started meanwhile from another thread) runs the displaced function as is.
+    """
+
+    def __init__(self, name: str, previous: Callable[..., Any]) -> None:
+        self._name = name
+        self._previous = previous
+
+    def __call__(self, **kwargs: Any) -> None:
+        env_kwargs = kwargs.get("env_fun_kwargs")
+        if not isinstance(env_kwargs, ConfiguredKwargs):
+            self._previous(**kwargs)
+            return
+        kwargs["env_fun_kwargs"] = dict(env_kwargs)
+        config = env_kwargs.trx_config
+        _worker.run_managed(self._previous, config, kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        previous = self._previous
+        module = getattr(previous, "__module__", None)
+        qualname = getattr(previous, "__qualname__", None)
+        if module == batched_envs.__name__ and qualname == self._name:
+            # The child resolves TorchRL's function by name, as upstream's pickled target does.
+            return (_rebuild_entry, (self._name, None))
+        return (_rebuild_entry, (self._name, previous))
+
+
+def _rebuild_entry(name: str, previous: Callable[..., Any] | None) -> _ManagedEntry:
+    return _ManagedEntry(name, _resolve_entry(name) if previous is None else previous)
+
+
+def _entry_patch(name: str) -> ScopedPatch:
+    def make(previous: Callable[..., Any]) -> _ManagedEntry:
+        return _ManagedEntry(name, previous)
+
+    return ScopedPatch(batched_envs, name, make)
+
+
+_ENTRY_PATCHES = [_entry_patch(name) for name in ("_run_worker_pipe_shared_mem", "_run_worker_pipe_direct")]
 
 
 @contextlib.contextmanager
 def managed_worker_targets() -> Iterator[None]:
-    """While active, ParallelEnv starts workers through our bootstrap entry points.
-
-    Our entries fall through to TorchRL's for envs that are not managed, so an upstream
-    ParallelEnv started concurrently from another thread is unaffected.
-    """
-    global _swap_depth
-    from . import _worker
-
-    replacements = {
-        "_run_worker_pipe_shared_mem": _worker.managed_worker_shared_mem,
-        "_run_worker_pipe_direct": _worker.managed_worker_direct,
-    }
-    with _swap_lock:
-        if _swap_depth == 0:
-            for name, fn in replacements.items():
-                setattr(batched_envs, name, fn)
-        _swap_depth += 1
-    try:
+    """While active, ParallelEnv starts workers through our entry points (see the module doc)."""
+    with _ENTRY_PATCHES[0].active(), _ENTRY_PATCHES[1].active():
         yield
-    finally:
-        with _swap_lock:
-            _swap_depth -= 1
-            if _swap_depth == 0:
-                for name, fn in _ORIGINAL_ENTRIES.items():
-                    setattr(batched_envs, name, fn)
 
 
+# --------------------------------------------------------------------------- fault check
 class SupervisedWorkers(list[Any]):
     """The env's ``_workers`` list, carrying the supervisor's fault check.
 
@@ -84,16 +224,37 @@ class SupervisedWorkers(list[Any]):
         self.check_faults = check_faults
 
 
-_original_check_for_faulty_process = batched_envs._check_for_faulty_process
+class _FaultCheck:
+    """Replaces ``batched_envs._check_for_faulty_process``: ours for our lists, theirs otherwise."""
+
+    def __init__(self, previous: Callable[..., Any]) -> None:
+        self.previous = previous
+
+    def __call__(self, processes: Any) -> Any:
+        check = getattr(processes, "check_faults", None)
+        if isinstance(processes, SupervisedWorkers) and check is not None:
+            check()
+            return None
+        return self.previous(processes)
 
 
-def _check_for_faulty_process(processes: Any) -> Any:
-    check = getattr(processes, "check_faults", None)
-    if check is not None:
-        check()
-        return None
-    return _original_check_for_faulty_process(processes)
+_fault_check_lock = threading.Lock()
 
 
-# Delegates to TorchRL's own check for every list that is not ours.
-batched_envs._check_for_faulty_process = _check_for_faulty_process
+def install_fault_check() -> None:
+    """Route TorchRL's fault check of our worker lists to the supervisor (first start only).
+
+    Installed once, when the first managed env starts, over whatever is current then; every
+    other list goes to that function. If something later replaces it, ours is installed again
+    on top at the next start, still delegating.
+    """
+    with _fault_check_lock:
+        current = batched_envs._check_for_faulty_process
+        if not isinstance(current, _FaultCheck):
+            batched_envs._check_for_faulty_process = _FaultCheck(current)
+
+
+# --------------------------------------------------------------------------- spec reading
+def get_env_metadata_patch(make: Callable[[Any], Any]) -> ScopedPatch:
+    """A scoped patch of the function ``ParallelEnv.__init__`` reads env specs with."""
+    return ScopedPatch(batched_envs, "get_env_metadata", make)

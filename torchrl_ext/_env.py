@@ -21,7 +21,10 @@ from . import _lifecycle, _lifeline
 from ._compat import (
     HAS_DAEMON_KWARG,
     HAS_SHUTDOWN_TIMEOUT_KWARG,
+    UPSTREAM_DEFAULTS,
+    ConfiguredKwargs,
     SupervisedWorkers,
+    install_fault_check,
     managed_worker_targets,
 )
 from ._done_signal import DEFAULT_SPIN, has_spare_core
@@ -29,13 +32,17 @@ from ._errors import DaemonicParentError, WorkerDiedError
 from ._metadata import metadata_in_subprocess as metadata_in_subprocess_ctx
 from ._supervisor import SupervisionReport, WorkerSupervisor
 from ._tag import Tag, new_env_tag
-from ._worker import WorkerBootstrap, WorkerConfig
+from ._worker import WorkerConfig
 
 __all__ = ["ManagedParallelEnv"]
 
 log = logging.getLogger("torchrl_ext")
 
-DEFAULT_SHUTDOWN_TIMEOUT = 5.0
+#: How long a closed pipe may precede the death of its worker becoming visible.
+LOST_PIPE_WAIT = 1.0
+
+#: As the installed TorchRL: 10 s (TorchRL 0.10 hard-codes the same wait).
+DEFAULT_SHUTDOWN_TIMEOUT: float = UPSTREAM_DEFAULTS["shutdown_timeout"]
 
 
 class _ManagedState:
@@ -88,7 +95,7 @@ def _resolve_daemon(daemon_workers: bool | None, daemon: bool | None) -> bool:
         return bool(daemon_workers)
     if daemon is not None:
         return bool(daemon)
-    return True
+    return bool(UPSTREAM_DEFAULTS["daemon"])
 
 
 def _start_method(requested: str | None) -> str:
@@ -101,15 +108,6 @@ def _start_method(requested: str | None) -> str:
         return str(_get_default_mp_start_method())
     except ImportError:  # TorchRL 0.10 uses spawn when none is given
         return "spawn"
-
-
-def _looks_like_worker_loss(err: BaseException) -> bool:
-    if isinstance(err, EOFError | BrokenPipeError | ConnectionError):
-        return True
-    text = str(err)
-    return isinstance(err, RuntimeError | OSError | IndexError | ValueError) and (
-        "dead" in text or "process failed" in text or "closed" in text or "out of range" in text
-    )
 
 
 class ManagedParallelEnv(ParallelEnv):
@@ -125,10 +123,13 @@ class ManagedParallelEnv(ParallelEnv):
     Args:
         num_workers: number of worker processes.
         create_env_fn: env factory (or one per worker), as for ``ParallelEnv``.
-        daemon_workers: ``True`` (default) keeps TorchRL's daemonic workers, which cannot have
-            children; ``False`` lets them have children, supervised by this class.
+        daemon_workers: ``False`` lets workers have children, supervised by this class;
+            ``True`` makes them daemonic, which forbids children. ``None`` (default): the
+            installed TorchRL's own default (daemonic on 0.10, non-daemonic on >= 0.11).
+            Supervision is on either way.
         daemon: alias of ``daemon_workers`` (TorchRL >= 0.11 spelling); conflicting values raise.
-        shutdown_timeout: seconds ``close()`` may take at most before everything is killed.
+        shutdown_timeout: seconds ``close()`` may take at most before everything is killed
+            (default: TorchRL's, 10 s).
         handle_signals: install chained SIGTERM/SIGINT/SIGHUP handlers (main thread only).
         reap_orphans: on Linux, make this process a child subreaper so that the children of a
             worker that died are re-parented here and reaped, even where PID 1 does not reap.
@@ -157,6 +158,7 @@ class ManagedParallelEnv(ParallelEnv):
 
     # Attributes TorchRL's ParallelEnv sets, declared for the type checker.
     create_env_fn: list[Any]
+    create_env_kwargs: list[Any]
     parent_channels: list[Any]
     _workers: Any
 
@@ -167,7 +169,7 @@ class ManagedParallelEnv(ParallelEnv):
         *,
         daemon_workers: bool | None = None,
         daemon: bool | None = None,
-        shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+        shutdown_timeout: float | None = None,
         handle_signals: bool = True,
         reap_orphans: bool = True,
         metadata_in_subprocess: bool | None = None,
@@ -175,6 +177,8 @@ class ManagedParallelEnv(ParallelEnv):
         exit_with_parent: bool | None = None,
         **kwargs: Any,
     ) -> None:
+        if shutdown_timeout is None:
+            shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT
         if shutdown_timeout <= 0:
             raise ValueError(f"shutdown_timeout must be positive, got {shutdown_timeout!r}")
         if spin_wait is not None and not spin_wait >= 0:
@@ -246,10 +250,11 @@ class ManagedParallelEnv(ParallelEnv):
         arm_pdeathsig = start_method == "forkserver" or threading.current_thread() is threading.main_thread()
         me = psutil.Process()
         owner_ctime = me.create_time()
-        user_fns: list[Any] = self.create_env_fn
-        self.create_env_fn = [
-            WorkerBootstrap(
-                fn,
+        # Our config travels next to each worker's kwargs, not around its factory: see _compat.
+        user_kwargs: list[Any] = self.create_env_kwargs
+        self.create_env_kwargs = [
+            ConfiguredKwargs(
+                kwargs,
                 WorkerConfig(
                     index=i,
                     tag=str(tag),
@@ -262,8 +267,9 @@ class ManagedParallelEnv(ParallelEnv):
                     done_fifo=None if state.spin == float("inf") else supervisor.done_signal.path,
                 ),
             )
-            for i, fn in enumerate(user_fns)
+            for i, kwargs in enumerate(user_kwargs)
         ]
+        install_fault_check()
         exit_with_parent = state.exit_with_parent
         if exit_with_parent is None:
             exit_with_parent = _lifecycle.multiprocessing_parent() is not None
@@ -277,7 +283,7 @@ class ManagedParallelEnv(ParallelEnv):
                 raise
             _raise_failure(failure)
         finally:
-            self.create_env_fn = user_fns
+            self.create_env_kwargs = user_kwargs
         processes: list[Any] = self._workers
         channels: list[Any] = self.parent_channels
         self.parent_channels = supervisor.attach(processes, channels)
@@ -329,8 +335,11 @@ class ManagedParallelEnv(ParallelEnv):
             if supervisor is None:
                 raise
             found = supervisor.first_failure
-            if found is None and _looks_like_worker_loss(err):
-                found = supervisor.wait_for_failure(1.0)
+            if found is None:
+                # Decided by the supervisor's facts, never by the message: is a worker gone? A
+                # closed pipe is seen a moment before the death itself, so it gets a short wait.
+                lost_pipe = isinstance(err, EOFError | OSError)
+                found = supervisor.wait_for_failure(LOST_PIPE_WAIT if lost_pipe else 0.0)
             if found is None:
                 raise
             _raise_failure(found)
@@ -416,17 +425,22 @@ class ManagedParallelEnv(ParallelEnv):
             _lifeline.release()
         log.debug("%s", state.report)
 
-    def close(self, *, raise_if_closed: bool = False) -> None:
-        """Close the workers within ``shutdown_timeout``; idempotent, never fails after a death.
+    def close(self, *, raise_if_closed: bool = True) -> None:
+        """Close the workers within ``shutdown_timeout``; never fails because a worker died.
 
-        The report of what it took is in :attr:`supervision_report`.
+        As upstream, closing a closed env raises ``RuntimeError`` unless
+        ``raise_if_closed=False``, and closing an indexed view closes only the view. The report
+        of what it took is in :attr:`supervision_report`.
         """
+        if not self._owns_workers_():
+            super().close(raise_if_closed=raise_if_closed)
+            return
         state: _ManagedState = self.__dict__["_trx"]
         if state.closing:
             return
         if self.is_closed:
             if raise_if_closed:
-                raise RuntimeError("trying to close a closed environment")
+                super().close(raise_if_closed=True)  # upstream's own error
             return
         state.closing = True
         try:
@@ -438,17 +452,25 @@ class ManagedParallelEnv(ParallelEnv):
             state.close_reason = "close"
             self.is_closed = True
 
+    def _owns_workers_(self) -> bool:
+        """False for a view made by indexing (TorchRL >= 0.14), which shares our state."""
+        return bool(self.__dict__.get("_owns_workers", True))
+
     def __enter__(self) -> ManagedParallelEnv:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        self.close(raise_if_closed=False)
 
     def _close_for(self, reason: str) -> None:
         self.__dict__["_trx"].close_reason = reason
-        self.close()
+        self.close(raise_if_closed=False)
 
     def __del__(self) -> None:
+        if not self._owns_workers_():
+            with contextlib.suppress(Exception):
+                self.close(raise_if_closed=False)
+            return
         state = self.__dict__.get("_trx")
         if state is not None and state.supervisor is not None and not self.__dict__.get("is_closed", True):
             with contextlib.suppress(Exception):

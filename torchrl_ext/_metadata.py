@@ -3,10 +3,13 @@
 TorchRL builds one env in the main process to read its specs (``get_env_metadata``). An env
 that starts children in ``__init__`` (a simulator, a DataLoader) would start them in the main
 process, outside any supervision. While a :class:`ManagedParallelEnv` with
-``daemon_workers=False`` is constructed, ``get_env_metadata`` is swapped for
-:func:`metadata_in_subprocess`: the env is built in a child process prepared like a worker
-(own process group, parent-death signal, tag), the metadata comes back over a pipe, and the
-child's whole tree is killed and reaped before construction returns.
+``daemon_workers=False`` is constructed, TorchRL's ``get_env_metadata`` (whichever is current)
+is called in a child process instead (:func:`metadata_in_subprocess`). The child is prepared
+like a worker (own process group, parent-death signal, tag), the metadata comes back over a
+pipe, and the child's whole tree is killed and reaped before construction returns.
+
+What the factory can tell: ``os.getpid()`` is the child's. ``torch.get_num_threads()`` is the
+main process's under spawn and forkserver, and 1 under fork (see ``_compute``).
 """
 
 from __future__ import annotations
@@ -22,31 +25,27 @@ from typing import Any
 import cloudpickle
 import psutil
 import torch
-from torchrl.envs import EnvBase, batched_envs
+from torchrl.envs import EnvBase
 from torchrl.envs.env_creator import EnvCreator
 
 from . import _lifeline, _process_tree
+from ._compat import get_env_metadata_patch
 from ._supervisor import rebuild_exception
 from ._tag import Tag
 from ._worker import WorkerConfig, end_own_descendants, exception_report, exit_now, prepare_process
 
 __all__ = ["metadata_in_subprocess"]
 
-_ORIGINAL_GET_ENV_METADATA = batched_envs.get_env_metadata
-_swap_lock = threading.Lock()
 
-
-def _metadata_main(conn: Any, payload: bytes, config: WorkerConfig) -> None:
+def _metadata_main(conn: Any, payload: bytes, config: WorkerConfig, num_threads: int) -> None:
     """Runs in the child: build the env, send its metadata, end everything it started."""
     prepare_process(config)
-    # A forked child of a process that already ran multithreaded torch ops can deadlock in the
-    # thread pool it inherited; one thread is plenty to build an env and read its specs.
-    torch.set_num_threads(1)
+    torch.set_num_threads(num_threads)
     # Plain pickle, by value: torch's multiprocessing reducers would share tensors through a
     # server thread in this process, which exits right after sending.
     try:
-        fn, kwargs, extra = cloudpickle.loads(payload)
-        answer = pickle.dumps(("ok", _ORIGINAL_GET_ENV_METADATA(fn, kwargs, **extra)))
+        read, fn, kwargs, extra = cloudpickle.loads(payload)
+        answer = pickle.dumps(("ok", read(fn, kwargs, **extra)))
     except BaseException as exc:  # reported to the parent, which re-raises it
         answer = pickle.dumps(("error", exception_report(exc, None)))
     try:
@@ -57,9 +56,13 @@ def _metadata_main(conn: Any, payload: bytes, config: WorkerConfig) -> None:
         exit_now(0)
 
 
-def _compute(start_method: str, tag: Tag, label: str, fn: Any, kwargs: Any = None, **extra: Any) -> Any:
+def _compute(
+    read: Callable[..., Any], context: tuple[str, Tag, str], fn: Any, kwargs: Any = None, **extra: Any
+) -> Any:
+    """``read(fn, kwargs, **extra)`` (TorchRL's ``get_env_metadata``) in a supervised child."""
+    start_method, tag, label = context
     if isinstance(fn, EnvBase | EnvCreator):  # nothing to build, or already built by EnvCreator
-        return _ORIGINAL_GET_ENV_METADATA(fn, kwargs, **extra)
+        return read(fn, kwargs, **extra)
     ctx: Any = multiprocessing.get_context(start_method)
     me = psutil.Process()
     fifo = _lifeline.acquire()
@@ -73,10 +76,14 @@ def _compute(start_method: str, tag: Tag, label: str, fn: Any, kwargs: Any = Non
         report_path="",
         reaper_fifo=fifo,
     )
+    # The factory sees the main process's thread count, as upstream (which builds this env in
+    # the main process) shows it. Not under fork: a forked child cannot use the OpenMP threads
+    # its parent already started (it hangs), so it keeps to one, like TorchRL's own workers.
+    num_threads = 1 if start_method == "fork" else torch.get_num_threads()
     recv_conn, send_conn = ctx.Pipe(duplex=False)
     process = ctx.Process(
         target=_metadata_main,
-        args=(send_conn, cloudpickle.dumps((fn, kwargs, extra)), config),
+        args=(send_conn, cloudpickle.dumps((read, fn, kwargs, extra)), config, num_threads),
         name=f"{label}-metadata",
         daemon=False,
     )
@@ -121,17 +128,33 @@ def _end_tree(process: Any, tag: Tag) -> None:
     _lifeline.send({"op": "unwatch", "pid": pid})
 
 
-@contextlib.contextmanager
-def metadata_in_subprocess(start_method: str, tag: Tag, label: str) -> Iterator[None]:
-    """While active, ``ParallelEnv`` reads env specs through :func:`_compute`."""
+_context = threading.local()
+
+
+def _routed(previous: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``get_env_metadata`` installed while managed envs are constructed."""
 
     def get_env_metadata(fn: Any, kwargs: Any = None, **extra: Any) -> Any:
-        return _compute(start_method, tag, label, fn, kwargs, **extra)
+        stack = getattr(_context, "stack", None)
+        if not stack:  # an env constructed by another thread meanwhile
+            return previous(fn, kwargs, **extra)
+        return _compute(previous, stack[-1], fn, kwargs, **extra)
 
-    replacement: Callable[..., Any] = get_env_metadata
-    with _swap_lock:
-        batched_envs.get_env_metadata = replacement
-        try:
+    get_env_metadata.__wrapped__ = previous  # type: ignore[attr-defined]
+    return get_env_metadata
+
+
+_PATCH = get_env_metadata_patch(_routed)
+
+
+@contextlib.contextmanager
+def metadata_in_subprocess(start_method: str, tag: Tag, label: str) -> Iterator[None]:
+    """While active, ``ParallelEnv`` constructed by this thread reads env specs through a
+    supervised child (:func:`_compute`), with whatever ``get_env_metadata`` was current."""
+    stack: list[tuple[str, Tag, str]] = _context.__dict__.setdefault("stack", [])
+    stack.append((start_method, tag, label))
+    try:
+        with _PATCH.active():
             yield
-        finally:
-            batched_envs.get_env_metadata = _ORIGINAL_GET_ENV_METADATA
+    finally:
+        stack.pop()

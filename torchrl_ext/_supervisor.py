@@ -286,7 +286,11 @@ class WorkerSupervisor:
         return len(terminated) + len(killed)
 
     def startup_failure(self) -> BaseException | None:
-        """The error that explains a failed start: the earliest env exception, else a death."""
+        """The error that explains a failed start: the earliest env exception, else a death.
+
+        ``None`` when no worker raised and none died abnormally: a worker that reported a
+        problem through TorchRL's own protocol and exited 0 leaves TorchRL's error in charge.
+        """
         reports = []
         for worker in self._workers:
             report = _read_report(self.report_path(worker.index))
@@ -297,10 +301,13 @@ class WorkerSupervisor:
             return rebuild_exception(report, worker.index, worker.pid)
         for worker in self._workers:
             if worker.finished or self._exited(worker):
+                code = _exitcode(worker)
+                if code == 0:
+                    continue
                 return WorkerDiedError(
-                    worker.index, worker.pid, _exitcode(worker), "start-up", detail="it died while starting"
+                    worker.index, worker.pid, code, "start-up", detail="it died while starting"
                 )
-        return self.first_failure
+        return None
 
     # ------------------------------------------------------------------ failures
     @property

@@ -1,13 +1,12 @@
 """The worker bootstrap: code that runs *inside* each ParallelEnv worker process.
 
-The parent swaps TorchRL's worker entry functions for :func:`managed_worker_shared_mem` /
-:func:`managed_worker_direct` while it starts a :class:`ManagedParallelEnv` (see
-``_compat.managed_worker_targets``). Each entry finds the :class:`WorkerBootstrap` that wraps the
-user's env factory, prepares the process (own process group, parent-death signal, tag,
-daemon flag, report to the reaper) and then runs TorchRL's own worker loop. Exceptions the env
-raises are written to a report file for the parent before the worker exits; after a normal
-"close" the worker ends its own descendants and exits at once instead of waiting out
-interpreter teardown.
+While a :class:`ManagedParallelEnv` starts its workers, TorchRL's worker functions are
+replaced by entries that find our :class:`WorkerConfig` next to the user's env kwargs (see
+``_compat``) and call :func:`run_managed`: it prepares the process (own process group,
+parent-death signal, tag, daemon flag, report to the reaper) and then runs TorchRL's own
+worker loop. Exceptions the env raises are written to a report file for the parent before the
+worker exits; after a normal "close" the worker ends its own descendants and exits at once
+instead of waiting out interpreter teardown.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from ._done_signal import NotifyingFlags
 from ._errors import DaemonicWorkerError
 from ._tag import OWNER_VAR, WORKER_VAR
 
-__all__ = ["WorkerBootstrap", "WorkerConfig", "managed_worker_direct", "managed_worker_shared_mem"]
+__all__ = ["WorkerConfig", "exit_now", "prepare_process", "run_managed"]
 
 log = logging.getLogger("torchrl_ext")
 
@@ -56,33 +55,6 @@ class WorkerConfig:
     report_path: str
     reaper_fifo: str | None
     done_fifo: str | None = None
-
-
-class WorkerBootstrap:
-    """Picklable wrapper of the user's env factory that carries the worker's config.
-
-    Attribute names are private on purpose: TorchRL's ``CloudpickleWrapper`` copies the
-    wrapped object's ``__dict__`` onto itself.
-    """
-
-    def __init__(self, create_env_fn: Callable[..., Any], config: WorkerConfig) -> None:
-        self._trx_create_env_fn = create_env_fn
-        self._trx_config = config
-
-    def __call__(self, **kwargs: Any) -> Any:
-        return self._trx_create_env_fn(**kwargs)
-
-    def __repr__(self) -> str:
-        return f"WorkerBootstrap({self._trx_create_env_fn!r}, worker={self._trx_config.index})"
-
-
-def find_config(env_fun: Any) -> WorkerConfig | None:
-    """The config carried by ``env_fun`` (possibly inside TorchRL's CloudpickleWrapper)."""
-    for candidate in (env_fun, getattr(env_fun, "fn", None)):
-        config = getattr(candidate, "_trx_config", None)
-        if isinstance(config, WorkerConfig):
-            return config
-    return None
 
 
 class _CommandRecorder:
@@ -219,14 +191,8 @@ def end_own_descendants() -> None:
     psutil.wait_procs(alive, timeout=1.0)
 
 
-def _run_managed(entry_name: str, kwargs: dict[str, Any]) -> None:
-    from ._compat import original_worker_entry
-
-    original = original_worker_entry(entry_name)
-    config = find_config(kwargs.get("env_fun"))
-    if config is None:  # an upstream env started while ours was starting
-        original(**kwargs)
-        return
+def run_managed(original: Callable[..., Any], config: WorkerConfig, kwargs: dict[str, Any]) -> None:
+    """Prepare this worker process, then run TorchRL's worker loop ``original`` in it."""
     prepare_process(config)
     if config.done_fifo and kwargs.get("shm_done_flags") is not None:
         # TorchRL >= 0.11 reports "done" through shared flags; wake the sleeping main process too.
@@ -267,13 +233,3 @@ def exit_now(code: int) -> None:
         except Exception:
             pass
     os._exit(code)
-
-
-def managed_worker_shared_mem(**kwargs: Any) -> None:
-    """Entry point replacing ``_run_worker_pipe_shared_mem`` for managed envs."""
-    _run_managed("_run_worker_pipe_shared_mem", kwargs)
-
-
-def managed_worker_direct(**kwargs: Any) -> None:
-    """Entry point replacing ``_run_worker_pipe_direct`` for managed envs."""
-    _run_managed("_run_worker_pipe_direct", kwargs)
