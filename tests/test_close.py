@@ -1,4 +1,5 @@
-"""close(): bounded, idempotent, works after a death, escalates on stubborn workers."""
+"""close(): bounded, raises on a closed env as upstream does, works after a death, escalates on
+stubborn workers."""
 
 from __future__ import annotations
 
@@ -30,8 +31,12 @@ def test_close_healthy_twice_reports_graceful(tmp_path: Path) -> None:
     children = _pids(tmp_path, "dl") + _pids(tmp_path, "sim")
     assert len(children) == 6, "2 DataLoader workers and 1 simulator per worker"
     env.close()
-    env.close()  # idempotent
+    first = env.supervision_report
+    with pytest.raises(RuntimeError, match="trying to close a closed environment"):
+        env.close()  # as upstream: raise_if_closed defaults to True
+    env.close(raise_if_closed=False)  # does nothing
     report = env.supervision_report
+    assert report is first
     assert report is not None and report.clean, str(report)
     assert [w.outcome for w in report.workers] == ["graceful", "graceful"]
     assert not [p for p in children if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
@@ -50,8 +55,8 @@ def test_close_after_worker_was_sigkilled(tmp_path: Path) -> None:
     os.kill(victim, signal.SIGKILL)
     with pytest.raises(WorkerDiedError):
         env.rollout(2)
-    env.close()
-    env.close()
+    env.close()  # no error although a worker died
+    env.close(raise_if_closed=False)
     report = env.supervision_report
     assert report is not None
     outcomes = {w.index: w for w in report.workers}

@@ -295,3 +295,28 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     api = (site / "api" / "index.html").read_text(encoding="utf-8")
     for name in ("ManagedParallelEnv", "WorkerDiedError", "EpisodeLoader", "ThreadPrefetcher"):
         assert name in api, f"the API reference does not document {name}"
+
+
+def test_documented_shutdown_order_matches_the_constants() -> None:
+    """NOTE [shutdown order]: every percentage quoted next to the escalation is a constant's."""
+    from torchrl_ext import _lifecycle
+
+    close_pct = round(100 * _lifecycle.CLOSE_MESSAGE_SHARE)
+    term_pct = round(100 * _lifecycle.SIGTERM_SHARE)
+    allowed = {close_pct, term_pct, 100}
+    sources = {
+        path.name: path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    }
+    sources["_lifecycle.py"] = _lifecycle.__doc__ or ""
+    quoted = 0
+    for name, text in sources.items():
+        for line in text.splitlines():
+            if not re.search(r"SIGTERM|SIGKILL|close\W+message", line):
+                continue
+            for pct in re.findall(r"(\d+)\s?%", line):
+                quoted += 1
+                assert int(pct) in allowed, f"{name}: {pct} % in {line.strip()!r}; constants say {allowed}"
+    assert quoted >= 4, "the shutdown order is no longer quoted where this test looks"
+    design = sources["design.md"]
+    assert re.search(rf"message.*\|\s*{close_pct} % of `shutdown_timeout`", design)
+    assert re.search(rf"\|\s*SIGTERM\s*\|\s*{term_pct} %", design)

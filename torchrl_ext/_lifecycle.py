@@ -23,8 +23,10 @@ shutdown, in this order:
    ``PR_SET_PDEATHSIG`` die by themselves at the same moment.
 
 Inside the supervisor's shutdown, one deadline (``shutdown_timeout``) bounds: the "close"
-message (70% of it), SIGTERM to each worker's process group (until 90%), SIGKILL, then a sweep
-of every recorded descendant, group member and tagged process, then reaping by pid.
+message (the workers have until ``CLOSE_MESSAGE_SHARE`` = 60 % of it to exit), SIGTERM to each
+remaining worker's process group (until ``SIGTERM_SHARE`` = 80 %), SIGKILL (until 100 %), then a
+sweep of every recorded descendant, group member and tagged process, then reaping by pid.
+``docs/design.md`` quotes these numbers; ``tests/test_docs.py`` checks every quote.
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ from types import FrameType
 from typing import Any, Protocol
 
 from . import _platform
+
+#: NOTE [shutdown order]: share of ``shutdown_timeout`` the workers get to exit after the
+#: "close" message; SIGTERM to their process groups follows.
+CLOSE_MESSAGE_SHARE = 0.6
+#: NOTE [shutdown order]: share of ``shutdown_timeout`` by which SIGTERMed workers must have
+#: exited; SIGKILL follows, and the deadline itself ends the escalation.
+SIGTERM_SHARE = 0.8
 
 __all__ = ["close_all", "live_envs", "multiprocessing_parent", "register", "unregister"]
 

@@ -27,6 +27,7 @@ import psutil
 from . import _lifeline, _platform, _process_tree
 from ._done_signal import DoneSignal
 from ._errors import RemoteTraceback, WorkerDiedError, WorkerEnvError, format_exitcode
+from ._lifecycle import CLOSE_MESSAGE_SHARE, SIGTERM_SHARE
 from ._tag import Tag
 
 __all__ = ["SupervisionReport", "WorkerOutcome", "WorkerSupervisor"]
@@ -345,12 +346,12 @@ class WorkerSupervisor:
         with self._lock:
             self._closing = True
             workers = list(self._workers)
-        # One deadline for everything: the close message gets 60% of it, SIGTERM until 80%,
-        # SIGKILL until the deadline; the sweep and reaping use what is left (SIGKILLed
-        # processes die at once, so they take milliseconds).
+        # One deadline for everything, see NOTE [shutdown order] in _lifecycle: the close
+        # message, then SIGTERM, then SIGKILL until the deadline; the sweep and reaping use what
+        # is left (SIGKILLed processes die at once, so they take milliseconds).
         deadline = t0 + timeout
-        graceful_until = t0 + 0.6 * timeout
-        term_until = t0 + 0.8 * timeout
+        graceful_until = t0 + CLOSE_MESSAGE_SHARE * timeout
+        term_until = t0 + SIGTERM_SHARE * timeout
         outcome: dict[int, str] = {}
         for worker in workers:
             if worker.finished or worker.exited():
