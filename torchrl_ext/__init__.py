@@ -11,6 +11,15 @@ Example:
 
 from __future__ import annotations
 
+import os
+
+if os.name != "posix":  # before anything imports POSIX-only names (signal.SIGKILL, fcntl...)
+    raise ImportError(
+        f"torchrl_ext needs a POSIX system (this one is os.name={os.name!r}): Linux is fully "
+        "supported, macOS with a reduced guarantee (no prctl, no pidfd; see docs/faq.md), "
+        "Windows is not supported. On Windows, run it in WSL 2 or a Linux container."
+    )
+
 import logging
 
 from ._env import ManagedParallelEnv

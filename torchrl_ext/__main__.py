@@ -1,4 +1,5 @@
-"""Command line: ``python -m torchrl_ext sweep [--kill] [--grace SECONDS]``."""
+"""Command line: ``python -m torchrl_ext doctor [--json]`` and
+``python -m torchrl_ext sweep [--kill] [--grace SECONDS]``."""
 
 from __future__ import annotations
 
@@ -35,7 +36,23 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PID",
         help="only processes and directories of this (dead) owner pid; may be repeated",
     )
+    doctor = sub.add_parser(
+        "doctor",
+        help="report what this machine supports and what is lost where it does not",
+        description="Check this machine: pidfd, PR_SET_PDEATHSIG, child subreaper, whether PID 1 "
+        "reaps orphans, /dev/shm, ulimit -n, the start method, the TorchRL/torch versions and Ray's "
+        "child-killing setting. One line per check: status, what it means, what to do. Exit code 0 "
+        "when every guarantee holds, 1 otherwise.",
+    )
+    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
+    doctor.add_argument(
+        "--no-orphan-test",
+        action="store_true",
+        help="judge whether PID 1 reaps by its name instead of making one short-lived test orphan",
+    )
     args = parser.parse_args(argv)
+    if args.command == "doctor":
+        return _doctor(json_output=args.json, orphan_test=not args.no_orphan_test)
 
     from ._sweep import sweep_orphans
 
@@ -57,6 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     out.write(f"ended {len(found)} orphaned process(es)\n")
     return 0
+
+
+def _doctor(*, json_output: bool, orphan_test: bool) -> int:
+    from ._doctor import exit_code, format_json, format_text, run_checks
+
+    checks = run_checks(orphan_test=orphan_test)
+    sys.stdout.write(format_json(checks) if json_output else format_text(checks))
+    return exit_code(checks)
 
 
 if __name__ == "__main__":
