@@ -8,7 +8,7 @@ PIP_FLAGS := -q --disable-pip-version-check
 # Every test run carries this tag; the leak fixture looks for processes that inherited it.
 export TORCHRL_EXT_TEST_SESSION ?= make-$(shell date +%s)-$$PPID
 
-.PHONY: demo test lint test-main test-compat docs bench clean
+.PHONY: demo test lint test-main test-compat docs bench clean try-torchrl
 
 .venv/.ready: pyproject.toml Makefile
 	test -x .venv/bin/python || $(PYTHON) -m venv .venv
@@ -38,6 +38,17 @@ test-compat: .venv-torchrl010/.ready
 	.venv-torchrl010/bin/python -m pytest -m compat
 
 test: lint test-main test-compat
+
+# Try the newest TorchRL release (or TORCHRL_TRY=torchrl==X.Y.Z): the internals check, the
+# contract suite and the compat suite, in a throw-away venv. See docs/design.md.
+TORCHRL_TRY ?= torchrl
+try-torchrl:
+	rm -rf .venv-torchrl-try && $(PYTHON) -m venv .venv-torchrl-try
+	.venv-torchrl-try/bin/pip install $(PIP_FLAGS) $(TORCH)
+	.venv-torchrl-try/bin/pip install $(PIP_FLAGS) --upgrade "$(TORCHRL_TRY)" psutil numpy pytest pytest-timeout
+	.venv-torchrl-try/bin/pip install $(PIP_FLAGS) --no-deps -e .
+	.venv-torchrl-try/bin/python -m pytest tests/test_compat.py tests/contract
+	.venv-torchrl-try/bin/python -m pytest -m compat
 
 docs: .venv/.ready
 	.venv/bin/python -m mkdocs build --strict

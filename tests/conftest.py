@@ -154,6 +154,14 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 60.0) 
         time.sleep(0.05)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def kill_tree(pid: int, timeout: float = 10.0) -> None:
     """SIGKILL ``pid`` and every descendant, and wait up to ``timeout`` s for them."""
     try:

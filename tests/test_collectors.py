@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.collector_scenarios import check_toy_batch, collector_classes, make_managed_env, make_policy
-from tests.conftest import Scenario, ScenarioResult, wait_until
+from tests.conftest import Scenario, ScenarioResult, pid_alive, wait_until
 from torchrl_ext import DaemonicParentError
 from torchrl_ext._compat import HAS_DAEMON_KWARG
 
@@ -43,13 +43,6 @@ def restore_start_method() -> Iterator[None]:
 
 def _pids(pid_dir: Path, prefix: str) -> set[int]:
     return {int(p.read_text()) for p in pid_dir.glob(f"{prefix}-*")}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 # --------------------------------------------------------------------------- one process
@@ -81,7 +74,7 @@ def test_multi_collector_workers_build_managed_envs(
         batches = list(collector)
         dl_workers = _pids(tmp_path, "dl")
         assert len(dl_workers) == 2 * 2 * 2, "2 collector workers x 2 env workers x 2 DataLoader workers"
-        assert all(_alive(pid) for pid in dl_workers)
+        assert all(pid_alive(pid) for pid in dl_workers)
     finally:
         collector.shutdown()
         for proc in collector.procs:  # TorchRL 0.10's shutdown() leaves them as zombies
@@ -92,7 +85,7 @@ def test_multi_collector_workers_build_managed_envs(
     if kind == "multisync":  # each batch holds both collectors' trajectories, in lockstep
         # 4 trajectories (2 collectors x 2 envs) of 30 steps: episodes 0..5 each.
         assert check_toy_batch(torch.cat(batches, dim=-1), first=True) == 4 * 5
-    assert not [pid for pid in dl_workers if _alive(pid)]
+    assert not [pid for pid in dl_workers if pid_alive(pid)]
 
 
 # --------------------------------------------------------------------------- SIGKILL of main
@@ -135,7 +128,7 @@ def test_sigkill_of_training_process_leaves_nothing(
     seen = {s["pid"] for s in result.seen_before_death}
     tree = set(ready["collector_workers"]) | env_workers | _pids(pid_dir, "dl")
     assert len(tree) == 2 + 4 + 8 and tree <= seen
-    assert not [pid for pid in tree if _alive(pid)]
+    assert not [pid for pid in tree if pid_alive(pid)]
 
 
 def _reap_harness_orphans(result: ScenarioResult, timeout: float = 5.0) -> None:

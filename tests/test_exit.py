@@ -17,7 +17,7 @@ from typing import Any, cast
 import psutil
 import pytest
 
-from tests.conftest import Scenario, wait_until
+from tests.conftest import Scenario, pid_alive, wait_until
 
 LINGER = 5.0  # the guarantee is 2 s; slack for a loaded 2-core CI machine
 
@@ -136,7 +136,7 @@ def test_sigkill_of_main_mid_long_step_leaves_nothing(
     assert set(ready["workers"]) <= seen
     children = {int(p.read_text()) for p in pid_dir.glob("*-*-*") if not p.name.startswith("stepping")}
     assert len(children) == 2 * 3, "each worker held 2 DataLoader workers and a setsid simulator"
-    assert not [pid for pid in children if _alive(pid)]
+    assert not [pid for pid in children if pid_alive(pid)]
     # The Linux-only calls were made, or not: the parent-death signal each worker armed, and
     # whether the reaper waited on a pidfd or polled.
     pdeathsig = {int(p.read_text()) for p in pid_dir.glob("pdeathsig-*")}
@@ -149,13 +149,6 @@ def test_sigkill_of_main_mid_long_step_leaves_nothing(
     polls = busy == "portable" or not _platform.has_pidfd()
     reapers = [s["cmdline"] for s in result.seen_before_death if "_reaper.py" in s["cmdline"]]
     assert reapers and all(cmd.endswith(" poll") == polls for cmd in reapers), reapers
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def test_direct_children_killed_then_main_exits_leaves_nothing(scenario: Scenario, tmp_path: Path) -> None:
@@ -172,7 +165,7 @@ def test_direct_children_killed_then_main_exits_leaves_nothing(scenario: Scenari
     _assert_nothing_leaked(result)
     escapees = [int(p.read_text()) for p in pid_dir.glob("sim-*")]
     assert len(escapees) == 2, "each worker started a setsid simulator"
-    assert not [pid for pid in escapees if _alive(pid)]
+    assert not [pid for pid in escapees if pid_alive(pid)]
 
 
 def test_sigkill_of_main_while_dataloaders_start(scenario: Scenario) -> None:

@@ -14,7 +14,7 @@ import psutil
 import pytest
 from torch.utils.data import DataLoader, Dataset
 
-from tests.conftest import fd_count, shm_entries
+from tests.conftest import fd_count, pid_alive, shm_entries
 from tests.envs import make_env
 from torchrl_ext import ManagedParallelEnv, RemoteTraceback, WorkerDiedError
 
@@ -26,13 +26,6 @@ def assert_no_shm_growth(before: set[str], cycles: int) -> None:
     new = shm_entries() - before
     assert not {e for e in new if not e.startswith("sem.mp-")}, new
     assert len(new) < cycles, new
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 @pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
@@ -61,7 +54,7 @@ def test_sigkilled_worker_raises_worker_died_error(method: str, tmp_path: Path) 
         assert "SIGKILL(-9)" in str(err) and "out of memory" in str(err)
         assert err.last_command is not None
         # The dead worker's tree is gone at once, before close().
-        assert not [p for p in victim_children if _alive(p)]
+        assert not [p for p in victim_children if pid_alive(p)]
         # The same error again on the next call, fast and clear.
         with pytest.raises(WorkerDiedError):
             env.reset()
@@ -120,7 +113,7 @@ def test_spec_reading_env_cannot_leak_children(tmp_path: Path) -> None:
     )
     leaked_by_spec_env = [int(p.read_text()) for p in tmp_path.glob("leak-*")]
     assert len(leaked_by_spec_env) == 1
-    assert not [pid for pid in leaked_by_spec_env if _alive(pid)]
+    assert not [pid for pid in leaked_by_spec_env if pid_alive(pid)]
     env.rollout(2)
     in_workers = [int(p.read_text()) for p in tmp_path.glob("leak-*")]
     assert len(in_workers) == 3
@@ -128,7 +121,7 @@ def test_spec_reading_env_cannot_leak_children(tmp_path: Path) -> None:
     # A worker ends what its env left running before it exits: a graceful close, nothing left.
     report = env.supervision_report
     assert report is not None and report.clean, str(report)
-    assert not [pid for pid in in_workers if _alive(pid)]
+    assert not [pid for pid in in_workers if pid_alive(pid)]
 
 
 def test_no_zombies_fds_or_shm_after_repeated_worker_deaths() -> None:
@@ -237,7 +230,7 @@ def test_env_started_from_a_short_lived_thread_keeps_working() -> None:
     try:
         out = env.rollout(4)
         assert out.shape[0] == 2
-        assert all(_alive(p) for p in env.worker_pids)
+        assert all(pid_alive(p) for p in env.worker_pids)
     finally:
         env.close()
 

@@ -32,7 +32,7 @@ import torch
 ray = pytest.importorskip("ray", reason="needs the optional Ray extra: pip install 'torchrl-ext[ray]'")
 
 from tests.collector_scenarios import check_toy_batch, make_managed_env, make_policy  # noqa: E402
-from tests.conftest import ROOT  # noqa: E402
+from tests.conftest import ROOT, pid_alive  # noqa: E402
 from torchrl_ext._sweep import leftover_processes  # noqa: E402
 from torchrl_ext._tag import read_tag  # noqa: E402
 
@@ -82,19 +82,12 @@ def _wait_for_ray_to_exit(ours_before: set[int]) -> None:
             pass
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 def _tagged_by_owner() -> dict[int, set[int]]:
     """Live processes carrying a TORCHRL_EXT_OWNER tag, by owner pid."""
     found: dict[int, set[int]] = {}
     for proc in psutil.process_iter():
         tag, _worker = read_tag(proc)
-        if tag is not None and _alive(proc.pid):
+        if tag is not None and pid_alive(proc.pid):
             found.setdefault(tag.owner_pid, set()).add(proc.pid)
     return found
 
@@ -111,8 +104,8 @@ def _pid_files(pid_dir: Path) -> dict[str, set[int]]:
 
 def _wait_gone(pids: set[int], timeout: float = DEADLINE) -> float:
     t0 = time.monotonic()
-    while [p for p in pids if _alive(p)]:
-        left = [p for p in pids if _alive(p)]
+    while [p for p in pids if pid_alive(p)]:
+        left = [p for p in pids if pid_alive(p)]
         assert time.monotonic() - t0 < timeout, f"still alive after {timeout}s: {left}"
         time.sleep(0.05)
     return time.monotonic() - t0
@@ -178,7 +171,7 @@ def test_ray_kill_of_one_collector_actor_ends_its_env_tree_only(ray_cluster: Non
 
         ray.kill(victim)
         _wait_gone(victim_tree | {victim_pid})
-        assert all(_alive(pid) for pid in rest | {survivor_pid}), "the other actor's env was touched"
+        assert all(pid_alive(pid) for pid in rest | {survivor_pid}), "the other actor's env was touched"
     finally:
         collector.shutdown()
     _wait_gone(rest)
@@ -238,7 +231,7 @@ def test_ray_kill_with_child_killing_off_ends_escapees(
         _wait_gone(sims, timeout=5.0)
     finally:
         for pid in sims:
-            if _alive(pid):
+            if pid_alive(pid):
                 psutil.Process(pid).kill()
         _wait_gone(sims)
 

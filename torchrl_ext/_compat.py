@@ -33,6 +33,8 @@ from ._worker import WorkerConfig
 __all__ = [
     "HAS_DAEMON_KWARG",
     "HAS_SHUTDOWN_TIMEOUT_KWARG",
+    "PRIVATE_ENV_ATTRIBUTES",
+    "PRIVATE_MODULE_NAMES",
     "UPSTREAM_DEFAULTS",
     "ConfiguredKwargs",
     "ScopedPatch",
@@ -67,26 +69,33 @@ UPSTREAM_DEFAULTS: dict[str, Any] = {
     ),
 }
 
-#: The private TorchRL names this package relies on (checked by ``tests/test_compat.py``).
-PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
-    "torchrl.envs.batched_envs": (
-        "_run_worker_pipe_shared_mem",
-        "_run_worker_pipe_direct",
-        "_check_for_faulty_process",
-        "get_env_metadata",
-    ),
-    "torchrl.envs.batched_envs.ParallelEnv": (
-        "_start_workers",
-        "_shutdown_workers",
-        "_wait_for_workers",
-        "_reset",
-        "_step",
-        "create_env_fn",
-        "create_env_kwargs",
-        "parent_channels",
-        "_workers",
-        "BATCHED_PIPE_TIMEOUT",
-    ),
+#: Every private TorchRL name this package relies on, and what for; ``tests/test_compat.py``
+#: checks each on the installed release, so a TorchRL change fails there with this text.
+#: Names marked ``>=0.11`` / ``>=0.14`` are optional on older releases (we fall back).
+PRIVATE_MODULE_NAMES: dict[str, str] = {
+    "batched_envs._run_worker_pipe_shared_mem": "worker function; replaced while our workers start",
+    "batched_envs._run_worker_pipe_direct": "worker function (use_buffers=False); replaced likewise",
+    "batched_envs._check_for_faulty_process": "fault check; ours for our worker lists",
+    "batched_envs.get_env_metadata": "spec reader; run in a helper process (metadata_in_subprocess)",
+    "batched_envs.gc": "the worker loop's gc.collect() before exit, skipped after a close",
+    "_utils._get_default_mp_start_method (>=0.11)": "start method ParallelEnv uses when none given",
+}
+#: Attributes of a started ``ParallelEnv`` (instance or class) that ``ManagedParallelEnv`` uses.
+PRIVATE_ENV_ATTRIBUTES: dict[str, str] = {
+    "create_env_kwargs": "per-worker kwargs, passed as env_fun_kwargs; carries our config",
+    "_workers": "the worker processes; becomes our SupervisedWorkers list",
+    "parent_channels": "the command pipes; wrapped to remember the last command",
+    "_mp_start_method": "the start method asked for",
+    "_use_buffers": "shared-buffer mode (our done signal needs it)",
+    "_events": "per-worker events; cleared on close",
+    "BATCHED_PIPE_TIMEOUT": "TorchRL's wait bound, kept by our wait",
+    "_start_workers": "overridden: supervision starts here",
+    "_shutdown_workers": "overridden: the bounded close",
+    "_wait_for_workers (>=0.11)": "overridden: sleep instead of spinning",
+    "_shm_done_flags (>=0.11)": "the shared done flags our wait reads",
+    "_owns_workers (>=0.14)": "False for an indexed view, which must not close workers",
+    "_worker_indices (>=0.14)": "the parent's worker indices of a view",
+    "_cleanup_failed_worker_startup (>=0.14)": "overridden: our start-up abort does it",
 }
 
 

@@ -28,7 +28,7 @@ import torch
 from torchrl.envs import EnvBase
 from torchrl.envs.env_creator import EnvCreator
 
-from . import _lifeline, _process_tree
+from . import _identity, _lifeline
 from ._compat import get_env_metadata_patch
 from ._supervisor import rebuild_exception
 from ._tag import Tag
@@ -112,19 +112,25 @@ def _end_tree(process: Any, tag: Tag) -> None:
     pid = process.pid
     if pid is None:
         return
-    procs = _process_tree.descendants(pid)
-    procs += _process_tree.tagged_processes(tag, env_id=tag.env_id)
     try:
         ctime = psutil.Process(pid).create_time()
-        procs += _process_tree.members_of_group(pid, ctime)
+        workers = {pid: (ctime, pid)}
     except psutil.Error:
-        pass
+        workers = {}
+    # It answered (or died) a moment ago: its process group cannot have been recycled yet.
+    procs = _identity.tree(
+        workers,
+        owner=(tag.owner_pid, tag.owner_create_time),
+        env_id=tag.env_id,
+        recent_groups=[pid],
+        include_workers=False,
+    )
     process.join(timeout=5.0)
     if process.exitcode is None:
         with contextlib.suppress(Exception):
             process.kill()
         process.join(timeout=5.0)
-    _process_tree.kill_and_reap([p for p in procs if p.pid != pid], grace=1.0, what="spec-reading env child")
+    _identity.kill_and_reap(procs, grace=1.0, what="spec-reading env child")
     _lifeline.send({"op": "unwatch", "pid": pid})
 
 

@@ -27,6 +27,7 @@ managers that SIGKILL the direct children of a process that exits (Ray's default
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -35,12 +36,29 @@ import shutil
 import signal
 import sys
 import time
+from types import ModuleType
 from typing import NamedTuple
 
 import psutil
 
+
+def _load_identity() -> ModuleType:
+    """``_identity.py`` from beside this file, without importing the package (or torch)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_identity.py")
+    spec = importlib.util.spec_from_file_location("torchrl_ext_reaper_identity", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+if __package__:
+    from . import _identity
+else:  # run as a script: python -I _reaper.py ...
+    _identity = _load_identity()
+
 SNAPSHOT_INTERVAL = 0.5
-OWNER_VAR = "TORCHRL_EXT_OWNER"
 REGISTRY_NAME = "registry.json"
 
 log = logging.getLogger("torchrl_ext.reaper")
@@ -64,7 +82,7 @@ class Reaper:
 
     # --- owner liveness -------------------------------------------------------------------
     def owner_alive(self) -> bool:
-        return running(self.owner_pid, self.owner_ctime)
+        return bool(_identity.running(self.owner_pid, self.owner_ctime))
 
     # --- messages -------------------------------------------------------------------------
     def read_messages(self) -> None:
@@ -99,13 +117,13 @@ class Reaper:
 
     def snapshot(self) -> None:
         # Forget descendants that ended (a DataLoader per reset starts new ones every episode).
-        ended = [key for key, proc in self.seen.items() if not proc.is_running()]
+        ended = [key for key, proc in self.seen.items() if not _identity.alive(proc)]
         for key in ended:
             del self.seen[key]
         known = len(self.seen)
         self.recent_groups = set()
         for pid, (ctime, pgid) in list(self.workers.items()):
-            worker = same_process(pid, ctime)
+            worker = _identity.same_process(pid, ctime)
             if worker is None:
                 continue
             self.recent_groups.add(pgid)
@@ -148,13 +166,8 @@ class Reaper:
             procs = self.targets()
             if not procs:
                 break
-            for proc in procs:
-                try:
-                    proc.kill()
-                    killed += 1
-                except psutil.Error:
-                    pass
-            psutil.wait_procs(procs, timeout=0.2)
+            _terminated, done = _identity.kill_and_reap(procs, grace=0.0, kill_wait=0.2)
+            killed += len(done)
         return killed
 
     # --- main loop ------------------------------------------------------------------------
@@ -205,53 +218,15 @@ def leftovers(
     seen: dict[tuple[int, float], psutil.Process],
     recent_groups: frozenset[int] = frozenset(),
 ) -> list[psutil.Process]:
-    """Live processes of an owner: its workers (pid and create time checked), the descendants
-    ``seen`` that still run, the members of the workers' process groups born after them, and
-    every process carrying the owner's tag. Also used by ``python -m torchrl_ext sweep``.
-
-    A group counts only while it is anchored: its worker, or a process of ``seen``, is alive in
-    it (identity checked), or it is in ``recent_groups`` (the reaper's groups of workers alive
-    at its last snapshot, half a second ago at most). An unanchored group id may have been
-    recycled (a pid is reused once its group is empty) and is left alone.
+    """Live processes of an owner: its workers, the descendants ``seen`` that still run, the
+    members of the workers' anchored process groups and every process carrying the owner's
+    tag (``_identity.tree``). ``recent_groups``: groups of workers alive at the last snapshot.
+    Also used by ``python -m torchrl_ext sweep``.
     """
-    found: dict[tuple[int, float], psutil.Process] = {}
-    me = os.getpid()
-    for pid, (ctime, _pgid) in workers.items():
-        worker = same_process(pid, ctime)
-        if worker is not None:
-            found[(pid, ctime)] = worker
-    for key, proc in seen.items():
-        if proc.is_running():
-            found[key] = proc
-    anchored = set(recent_groups)
-    for proc in found.values():
-        try:
-            anchored.add(os.getpgid(proc.pid))
-        except OSError:
-            continue
-    groups = {pgid: ctime for ctime, pgid in workers.values() if pgid in anchored}
-    for proc in psutil.process_iter():
-        if proc.pid == me:
-            continue
-        try:
-            ctime = proc.create_time()
-            pgid = os.getpgid(proc.pid)
-            if pgid in groups and ctime + 0.01 >= groups[pgid]:
-                found[(proc.pid, ctime)] = proc
-                continue
-            if ctime + 0.01 < owner_ctime:
-                continue  # older than the owner: cannot carry its tag
-            value = proc.environ().get(OWNER_VAR, "")
-        except (psutil.Error, OSError):
-            continue
-        parts = value.split(":")
-        if len(parts) == 3 and parts[0] == str(owner_pid):
-            try:
-                if abs(float(parts[1]) - owner_ctime) < 1e-3:
-                    found[(proc.pid, ctime)] = proc
-            except ValueError:
-                continue
-    return [p for p in found.values() if _alive(p)]
+    procs: list[psutil.Process] = _identity.tree(
+        workers, seen.values(), owner=(owner_pid, owner_ctime), recent_groups=recent_groups
+    )
+    return procs
 
 
 class Registry(NamedTuple):
@@ -264,7 +239,7 @@ class Registry(NamedTuple):
 
     def leftovers(self) -> list[psutil.Process]:
         """The owner's processes still alive (see :func:`leftovers`)."""
-        seen = {(pid, ctime): same_process(pid, ctime) for pid, ctime in self.seen}
+        seen = {(pid, ctime): _identity.same_process(pid, ctime) for pid, ctime in self.seen}
         live = {key: proc for key, proc in seen.items() if proc is not None}
         return leftovers(self.owner_pid, self.owner_ctime, self.workers, live)
 
@@ -282,32 +257,6 @@ def load_registry(path: str) -> Registry | None:
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def same_process(pid: int, ctime: float) -> psutil.Process | None:
-    """The process ``pid`` if it still is the one created at ``ctime`` (not a reused pid)."""
-    try:
-        proc = psutil.Process(pid)
-        return proc if abs(proc.create_time() - ctime) < 1e-3 else None
-    except psutil.Error:
-        return None
-
-
-def running(pid: int, ctime: float | None) -> bool:
-    """Whether ``pid`` runs (not a zombie) and, when ``ctime`` is given, is the process created
-    then."""
-    try:
-        proc = psutil.Process(pid) if ctime is None else same_process(pid, ctime)
-        return proc is not None and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _descends(proc: psutil.Process, pid: int) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 
 import psutil
 
-from . import _lifeline, _platform, _process_tree
+from . import _identity, _lifeline, _platform
 from ._done_signal import DoneSignal
 from ._errors import RemoteTraceback, WorkerDiedError, WorkerEnvError, format_exitcode
 from ._lifecycle import CLOSE_MESSAGE_SHARE, SIGTERM_SHARE
@@ -208,9 +208,9 @@ class WorkerSupervisor:
             # Forget descendants that ended (a DataLoader per reset starts new ones every
             # episode). A new dict replaces the old one, so readers in other threads never see
             # it change size under them.
-            descendants = {k: proc for k, proc in worker.descendants.items() if proc.is_running()}
-            for proc in _process_tree.descendants(worker.pid):
-                key = _process_tree.key_of(proc)
+            descendants = {k: proc for k, proc in worker.descendants.items() if _identity.alive(proc)}
+            for proc in _identity.descendants(worker.pid):
+                key = _identity.key_of(proc)
                 if key is not None:
                     descendants.setdefault(key, proc)
             worker.descendants = descendants
@@ -239,7 +239,8 @@ class WorkerSupervisor:
         failure = self._failure_for(worker)
         # Kill the dead worker's tree before anyone can see the failure: once the error is
         # raised, nothing of that worker is left.
-        worker.descendants_killed = self._kill_tree(worker, grace=0.0)
+        # It was alive a moment ago, so its process group cannot have been recycled yet.
+        worker.descendants_killed = self._kill_tree(worker)
         log.warning(
             "%s worker %d (pid %d) died with exit code %s; killed and reaped %d descendant process(es)",
             self.label,
@@ -262,29 +263,26 @@ class WorkerSupervisor:
             return WorkerDiedError(worker.index, worker.pid, worker.exitcode, last_command)
         return rebuild_exception(report, worker.index, worker.pid)
 
-    def _tree_of(self, worker: _Worker) -> list[psutil.Process]:
-        procs = list(worker.descendants.values())
-        procs += _process_tree.descendants(worker.pid)
-        procs += _process_tree.members_of_group(worker.pid, worker.create_time)
-        procs += _process_tree.tagged_processes(self.tag, env_id=self.tag.env_id, worker=str(worker.index))
-        return [p for p in procs if p.pid != worker.pid]
-
-    def _kill_tree(self, worker: _Worker, grace: float) -> int:
-        procs = _process_tree.unique(self._tree_of(worker))
-        if grace <= 0:
-            alive = [p for p in procs if _running(p)]
-            for proc in alive:
-                try:
-                    proc.kill()
-                except psutil.Error:
-                    pass
-            psutil.wait_procs(alive, timeout=2.0)
-            _process_tree.reap_if_child(procs)
-            return len(alive)
-        terminated, killed = _process_tree.kill_and_reap(
-            procs, grace, what=f"{self.label} worker {worker.index} child"
+    def _tree_of(self, workers: list[_Worker], recent: list[_Worker]) -> list[psutil.Process]:
+        """The live processes of ``workers`` (not the workers themselves); the process groups of
+        ``recent`` count as anchored (see ``_identity``: their worker was alive a moment ago)."""
+        seen = [proc for worker in workers for proc in worker.descendants.values()]
+        return _identity.tree(
+            {w.pid: (w.create_time, w.pid) for w in workers},
+            seen,
+            owner=(self.tag.owner_pid, self.tag.owner_create_time),
+            env_id=self.tag.env_id,
+            worker_index=str(workers[0].index) if len(workers) == 1 else None,
+            recent_groups=[w.pid for w in recent],
+            include_workers=False,
         )
-        return len(terminated) + len(killed)
+
+    def _kill_tree(self, worker: _Worker) -> int:
+        """SIGKILL and reap what is left of a worker that just died."""
+        _terminated, killed = _identity.kill_and_reap(
+            self._tree_of([worker], recent=[worker]), grace=0.0, kill_wait=2.0
+        )
+        return len(killed)
 
     def startup_failure(self) -> BaseException | None:
         """The error that explains a failed start: the earliest env exception, else a death.
@@ -390,12 +388,11 @@ class WorkerSupervisor:
                 if self._exited(worker):
                     outcome[worker.index] = name
         # Sweep: everything recorded, every group member, every tagged process of this env.
-        leftovers: list[psutil.Process] = []
-        for worker in workers:
-            leftovers += self._tree_of(worker)
-        leftovers += _process_tree.tagged_processes(self.tag, env_id=self.tag.env_id)
+        # A worker that had died before the close anchors its group only through a live process
+        # of ours in it: its group id may have been recycled by a stranger since.
+        leftovers = self._tree_of(workers, recent=[w for w in workers if outcome.get(w.index) != "died"])
         grace = max(0.05, min(0.5, deadline - time.monotonic()))
-        swept_t, swept_k = _process_tree.kill_and_reap(leftovers, grace, what=f"{self.label} leftover")
+        swept_t, swept_k = _identity.kill_and_reap(leftovers, grace, what=f"{self.label} leftover")
         swept = len(swept_t) + len(swept_k)
         if swept:
             log.warning("%s: swept %d leftover process(es) after the workers exited", self.label, swept)
@@ -424,13 +421,7 @@ class WorkerSupervisor:
     def _exited(self, worker: _Worker) -> bool:
         if worker.exited():
             return True
-        try:
-            proc = psutil.Process(worker.pid)
-            return (
-                proc.status() == psutil.STATUS_ZOMBIE or abs(proc.create_time() - worker.create_time) > 1e-3
-            )
-        except psutil.Error:
-            return True
+        return not _identity.running(worker.pid, worker.create_time)
 
     def _wait_exit(self, workers: list[_Worker], until: float) -> None:
         while True:
@@ -441,12 +432,10 @@ class WorkerSupervisor:
             multiprocessing.connection.wait([w.sentinel for w in pending], timeout=min(remaining, 0.1))
 
     def _signal_worker(self, worker: _Worker, sig: int) -> None:
-        try:
-            proc = psutil.Process(worker.pid)
-            leader_ok = abs(proc.create_time() - worker.create_time) < 1e-3
-        except psutil.Error:
+        proc = _identity.same_process(worker.pid, worker.create_time)
+        if proc is None:  # gone, or its pid was reused: never signal a stranger
             return
-        if leader_ok and _platform.process_group_of(worker.pid) == worker.pid:
+        if _platform.process_group_of(worker.pid) == worker.pid:
             try:
                 _platform.kill_process_group(worker.pid, sig)
                 return
@@ -477,13 +466,6 @@ class WorkerSupervisor:
                 pass
         self.done_signal.close()
         shutil.rmtree(self.report_dir, ignore_errors=True)
-
-
-def _running(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _exitcode(worker: _Worker, wait: float = 1.0) -> int | None:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import psutil
 
-from ._process_tree import key_of, kill_and_reap
-from ._reaper import REGISTRY_NAME, Registry, load_registry, running
+from ._identity import alive, descendants, key_of, kill_and_reap, running
+from ._reaper import REGISTRY_NAME, Registry, load_registry
 from ._tag import Tag, read_tag
 
 __all__ = [
@@ -146,16 +146,12 @@ def leftover_processes(owner_pid: int | None = None) -> list[psutil.Process]:
     """
     owner = os.getpid() if owner_pid is None else owner_pid
     out = [t.process for t in _tagged() if t.tag.owner_pid == owner]
-    try:
-        children = psutil.Process(owner).children(recursive=True)
-    except psutil.Error:
-        children = []
-    for child in children:
+    for child in descendants(owner):
         try:
             cmd = " ".join(child.cmdline())
-            if child.status() == psutil.STATUS_ZOMBIE:
-                continue
         except psutil.Error:
+            continue
+        if not alive(child):
             continue
         if "multiprocessing.forkserver" in cmd or "resource_tracker" in cmd or "_reaper.py" in cmd:
             continue
@@ -175,21 +171,14 @@ def sweep_orphans(
     found = find_orphans(base, owners)
     if kill and found:
         kill_and_reap([t.process for t in found], grace, what="orphaned torchrl_ext")
-    alive = [t for t in found if t.process.is_running() and _not_zombie(t.process)]
+    survivors = [t for t in found if alive(t.process)]
     removed = []
     if kill:
-        blocked = {t.owner_pid for t in alive}
+        blocked = {t.owner_pid for t in survivors}
         for runtime_dir in stale_runtime_dirs(base, owners):
             if runtime_dir.owner_pid in blocked:
                 continue
             shutil.rmtree(runtime_dir.path, ignore_errors=True)
             if not os.path.exists(runtime_dir.path):
                 removed.append(runtime_dir.path)
-    return found, alive, removed
-
-
-def _not_zombie(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+    return found, survivors, removed

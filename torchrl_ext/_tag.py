@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import psutil
 
-__all__ = ["OWNER_VAR", "WORKER_VAR", "Tag", "new_env_tag", "read_tag"]
+from . import _identity
+from ._identity import OWNER_VAR, WORKER_VAR
 
-OWNER_VAR = "TORCHRL_EXT_OWNER"
-WORKER_VAR = "TORCHRL_EXT_WORKER"
+__all__ = ["OWNER_VAR", "WORKER_VAR", "Tag", "new_env_tag", "read_tag"]
 
 _env_counter = itertools.count(1)
 
@@ -40,26 +40,23 @@ class Tag:
 
     @classmethod
     def parse(cls, value: str) -> Tag | None:
-        parts = value.split(":")
-        if len(parts) != 3:
-            return None
-        try:
-            return cls(int(parts[0]), float(parts[1]), parts[2])
-        except ValueError:
-            return None
+        parsed = _identity.parse_tag(value)
+        return None if parsed is None else cls(*parsed)
+
+    @property
+    def owner(self) -> _identity.ProcessKey:
+        """``(pid, create time)`` of the owning process."""
+        return (self.owner_pid, self.owner_create_time)
 
     def same_owner(self, other: Tag) -> bool:
         return (
-            self.owner_pid == other.owner_pid and abs(self.owner_create_time - other.owner_create_time) < 1e-3
+            self.owner_pid == other.owner_pid
+            and abs(self.owner_create_time - other.owner_create_time) < _identity.CTIME_TOLERANCE
         )
 
     def owner_alive(self) -> bool:
-        """Whether the owning process still exists (a reused pid does not count)."""
-        try:
-            proc = psutil.Process(self.owner_pid)
-            return abs(proc.create_time() - self.owner_create_time) < 1e-3
-        except psutil.Error:
-            return False
+        """Whether the owning process still runs (a reused pid does not count)."""
+        return _identity.running(self.owner_pid, self.owner_create_time)
 
 
 def new_env_tag() -> Tag:
@@ -70,11 +67,5 @@ def new_env_tag() -> Tag:
 
 def read_tag(proc: psutil.Process) -> tuple[Tag | None, str | None]:
     """The tag and worker index a process carries in its environment, if readable."""
-    try:
-        env = proc.environ()
-    except (psutil.Error, OSError):
-        return None, None
-    value = env.get(OWNER_VAR)
-    if value is None:
-        return None, None
-    return Tag.parse(value), env.get(WORKER_VAR)
+    parsed, worker = _identity.read_tag(proc)
+    return (None if parsed is None else Tag(*parsed)), worker

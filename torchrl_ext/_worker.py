@@ -29,10 +29,9 @@ from typing import Any
 
 import psutil
 
-from . import _lifeline, _platform
+from . import _identity, _lifeline, _platform
 from ._done_signal import NotifyingFlags
 from ._errors import DaemonicWorkerError
-from ._tag import OWNER_VAR, WORKER_VAR
 
 __all__ = ["WorkerConfig", "exit_now", "prepare_process", "run_managed"]
 
@@ -113,17 +112,15 @@ def _guarded_start(original: Callable[..., Any]) -> Callable[..., Any]:
 def prepare_process(config: WorkerConfig) -> None:
     """Set up this worker process before the user's env exists."""
     _platform.new_process_group()
-    if config.arm_pdeathsig and _platform.set_parent_death_signal(signal.SIGKILL):
-        # Not retroactive: if the owner already died, nobody will signal us.
-        try:
-            owner = psutil.Process(config.owner_pid)
-            owner_alive = abs(owner.create_time() - config.owner_create_time) < 1e-3
-        except psutil.Error:
-            owner_alive = False
-        if not owner_alive or os.getppid() == 1:
-            os._exit(1)
-    os.environ[OWNER_VAR] = config.tag
-    os.environ[WORKER_VAR] = str(config.index)
+    # The parent-death signal is not retroactive: if the owner already died, nobody will send it.
+    if (
+        config.arm_pdeathsig
+        and _platform.set_parent_death_signal(signal.SIGKILL)
+        and (not _identity.running(config.owner_pid, config.owner_create_time) or os.getppid() == 1)
+    ):
+        os._exit(1)
+    os.environ[_identity.OWNER_VAR] = config.tag
+    os.environ[_identity.WORKER_VAR] = str(config.index)
     if config.reaper_fifo:
         me = psutil.Process()
         _lifeline.notify_watch(config.reaper_fifo, me.pid, me.create_time(), os.getpgrp())
@@ -171,24 +168,8 @@ def _write_report(config: WorkerConfig, exc: BaseException, last_command: str | 
 
 def end_own_descendants() -> None:
     """TERM, wait, KILL and reap every descendant of this process."""
-    try:
-        children = psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return
-    if not children:
-        return
-    for proc in children:
-        try:
-            proc.terminate()
-        except psutil.Error:
-            pass
-    _gone, alive = psutil.wait_procs(children, timeout=CHILD_GRACE)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=1.0)
+    children = _identity.descendants(os.getpid())
+    _identity.kill_and_reap(children, CHILD_GRACE, what="worker child", kill_wait=1.0)
 
 
 def run_managed(original: Callable[..., Any], config: WorkerConfig, kwargs: dict[str, Any]) -> None:

@@ -1,0 +1,294 @@
+"""Process identity, liveness, the tree walk and kill-and-reap: the one copy everything calls.
+
+Standard library and psutil only, and no imports from the package: the standalone reaper script
+loads this file by path (see ``_reaper.py``); the package imports it as ``torchrl_ext._identity``.
+
+* **Identity** is ``(pid, create_time)``: a pid can be reused, the pair cannot. Create times are
+  compared within :data:`CTIME_TOLERANCE`.
+* **Alive** means running and not a zombie.
+* **The tree** of a set of workers (:func:`tree`) is every live process of ours: the workers,
+  the descendants they have and the ones seen in earlier snapshots (a subtree whose middle
+  process died is no longer anyone's child), the members of their process groups, and every
+  process whose environment carries the owner's tag.
+* **The live-anchor rule for process groups.** A worker's process group id is its pid. Once
+  the group is empty, the id can be recycled by a stranger's new group. So a group counts only
+  while it is anchored: a process of ours (identity checked) lives in it, or the caller knows
+  its worker was alive a moment ago (``recent_groups``). An unanchored group is left alone.
+* **Kill and reap** (:func:`kill_and_reap`): SIGTERM, a grace period, SIGKILL, then reap those
+  that are our own children, by pid only (never ``waitpid(-1)``, which would steal the exit
+  statuses ``subprocess`` and ``multiprocessing`` wait for).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Iterable, Mapping
+
+import psutil
+
+__all__ = [
+    "BIRTH_SLACK",
+    "CTIME_TOLERANCE",
+    "OWNER_VAR",
+    "WORKER_VAR",
+    "ProcessKey",
+    "alive",
+    "descendants",
+    "key_of",
+    "kill_and_reap",
+    "parse_tag",
+    "read_tag",
+    "reap_if_child",
+    "running",
+    "same_process",
+    "tree",
+    "unique",
+]
+
+log = logging.getLogger("torchrl_ext")
+
+#: The inherited tag: ``<owner pid>:<owner create time>:<env id>``.
+OWNER_VAR = "TORCHRL_EXT_OWNER"
+#: The worker index a worker's descendants inherit.
+WORKER_VAR = "TORCHRL_EXT_WORKER"
+#: Two create times closer than this (seconds) belong to the same process.
+CTIME_TOLERANCE = 1e-3
+#: Create times are rounded to clock ticks: "born after X" allows this much (seconds).
+BIRTH_SLACK = 0.01
+
+ProcessKey = tuple[int, float]
+#: A recorded worker: pid -> (create time, process group id).
+Workers = Mapping[int, tuple[float, int]]
+
+
+def key_of(proc: psutil.Process) -> ProcessKey | None:
+    """``(pid, create_time)`` of ``proc``; ``None`` once it is gone."""
+    try:
+        return (proc.pid, proc.create_time())
+    except psutil.Error:
+        return None
+
+
+def same_process(pid: int, ctime: float) -> psutil.Process | None:
+    """The process ``pid`` if it still is the one created at ``ctime`` (not a reused pid).
+
+    Example:
+        >>> me = psutil.Process()
+        >>> same_process(me.pid, me.create_time()) == me
+        True
+        >>> same_process(me.pid, me.create_time() - 10) is None
+        True
+    """
+    try:
+        proc = psutil.Process(pid)
+        return proc if abs(proc.create_time() - ctime) < CTIME_TOLERANCE else None
+    except psutil.Error:
+        return None
+
+
+def alive(proc: psutil.Process) -> bool:
+    """Whether ``proc`` (the very process, psutil checks the pid was not reused) runs and is
+    not a zombie."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def running(pid: int, ctime: float | None = None) -> bool:
+    """Whether ``pid`` is alive and, when ``ctime`` is given, is the process created then."""
+    try:
+        proc = psutil.Process(pid) if ctime is None else same_process(pid, ctime)
+    except psutil.Error:
+        return False
+    return proc is not None and alive(proc)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    """Every live descendant of ``pid`` (empty when ``pid`` is gone)."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def unique(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
+    """``procs`` without duplicates (by identity) and without the caller."""
+    seen: set[ProcessKey] = set()
+    me = os.getpid()
+    out = []
+    for proc in procs:
+        key = key_of(proc)
+        if key is None or key in seen or proc.pid == me:
+            continue
+        seen.add(key)
+        out.append(proc)
+    return out
+
+
+# --------------------------------------------------------------------------- the tag
+def parse_tag(value: str) -> tuple[int, float, str] | None:
+    """``(owner pid, owner create time, env id)`` of a tag value, or ``None``."""
+    parts = value.split(":")
+    if len(parts) != 3:
+        return None
+    try:
+        return int(parts[0]), float(parts[1]), parts[2]
+    except ValueError:
+        return None
+
+
+def read_tag(proc: psutil.Process) -> tuple[tuple[int, float, str] | None, str | None]:
+    """The parsed tag and the worker index ``proc`` carries in its environment, if readable."""
+    try:
+        env = proc.environ()
+    except (psutil.Error, OSError):
+        return None, None
+    value = env.get(OWNER_VAR)
+    if value is None:
+        return None, None
+    return parse_tag(value), env.get(WORKER_VAR)
+
+
+# --------------------------------------------------------------------------- the tree walk
+def tree(
+    workers: Workers,
+    seen: Iterable[psutil.Process] = (),
+    *,
+    owner: ProcessKey | None = None,
+    env_id: str | None = None,
+    worker_index: str | None = None,
+    recent_groups: Iterable[int] = (),
+    include_workers: bool = True,
+) -> list[psutil.Process]:
+    """Every live process of ours, each once (see the module doc).
+
+    Args:
+        workers: the recorded workers, pid -> (create time, process group).
+        seen: descendants recorded in earlier snapshots; counted while they still run.
+        owner: ``(pid, create time)`` of the owner whose tag counts; ``None``: no tag scan.
+        env_id, worker_index: narrow the tag match to one env, one worker.
+        recent_groups: groups whose worker the caller knows was alive a moment ago.
+        include_workers: list the live workers themselves too.
+    """
+    me = os.getpid()
+    found: dict[ProcessKey, psutil.Process] = {}
+    anchors: list[psutil.Process] = []
+    for pid, (ctime, _pgid) in workers.items():
+        worker = same_process(pid, ctime)
+        if worker is None:
+            continue
+        anchors.append(worker)
+        for proc in [worker, *descendants(pid)] if include_workers else descendants(pid):
+            key = key_of(proc)
+            if key is not None:
+                found[key] = proc
+    for proc in seen:
+        key = key_of(proc)
+        if key is not None and alive(proc):
+            found[key] = proc
+    anchored = set(recent_groups)
+    for proc in [*anchors, *found.values()]:
+        try:
+            anchored.add(os.getpgid(proc.pid))
+        except OSError:
+            continue
+    groups = {pgid: ctime for ctime, pgid in workers.values() if pgid in anchored}
+    if groups or owner is not None:
+        oldest = min([*groups.values(), *([owner[1]] if owner else [])])
+        for proc in psutil.process_iter():
+            if proc.pid == me:
+                continue
+            try:
+                ctime = proc.create_time()
+                if ctime + BIRTH_SLACK < oldest:
+                    continue  # older than every worker and the owner: cannot be ours
+                pgid = os.getpgid(proc.pid)
+            except (psutil.Error, OSError):
+                continue
+            if pgid in groups and ctime + BIRTH_SLACK >= groups[pgid]:
+                found[(proc.pid, ctime)] = proc
+                continue
+            if owner is None or ctime + BIRTH_SLACK < owner[1]:
+                continue
+            tag, index = read_tag(proc)
+            if (
+                tag is not None
+                and tag[0] == owner[0]
+                and abs(tag[1] - owner[1]) < CTIME_TOLERANCE
+                and (env_id is None or tag[2] == env_id)
+                and (worker_index is None or index == worker_index)
+            ):
+                found[(proc.pid, ctime)] = proc
+    excluded: dict[int, tuple[float, int]] = {} if include_workers else dict(workers)
+
+    def wanted(key: ProcessKey) -> bool:
+        pid, ctime = key
+        if pid == me:
+            return False
+        return pid not in excluded or abs(ctime - excluded[pid][0]) >= CTIME_TOLERANCE
+
+    return [proc for key, proc in found.items() if wanted(key) and alive(proc)]
+
+
+# --------------------------------------------------------------------------- kill and reap
+def reap_if_child(procs: Iterable[psutil.Process]) -> None:
+    """Collect the exit status of those ``procs`` that are (now) our zombie children."""
+    me = os.getpid()
+    for proc in procs:
+        try:
+            if proc.ppid() != me:
+                continue
+            os.waitpid(proc.pid, os.WNOHANG)
+        except (psutil.Error, ChildProcessError, OSError):
+            continue
+
+
+def kill_and_reap(
+    procs: Iterable[psutil.Process], grace: float, what: str = "process", kill_wait: float = 5.0
+) -> tuple[list[psutil.Process], list[psutil.Process]]:
+    """SIGTERM ``procs``, wait up to ``grace`` seconds, SIGKILL what is left, reap our children.
+
+    ``grace <= 0`` sends SIGKILL at once. Returns ``(terminated, killed)``: the processes that
+    ended after SIGTERM and those that needed SIGKILL; those already gone are in neither.
+    """
+    everything = unique(procs)
+    targets = [proc for proc in everything if alive(proc)]
+    terminated: list[psutil.Process] = []
+    pending = targets
+    if targets and grace > 0:
+        for proc in targets:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except psutil.Error:
+                pass
+        gone, pending = psutil.wait_procs(targets, timeout=grace)
+        terminated = list(gone)
+        for proc in pending:
+            log.warning(
+                "%s %s (pid %d) ignored SIGTERM for %.1fs; sending SIGKILL",
+                what,
+                _name(proc),
+                proc.pid,
+                grace,
+            )
+    killed = []
+    for proc in pending:
+        try:
+            proc.kill()
+            killed.append(proc)
+        except psutil.Error:
+            pass
+    if killed:
+        psutil.wait_procs(killed, timeout=kill_wait)
+    reap_if_child(everything)
+    return terminated, killed
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return repr(proc.name())
+    except psutil.Error:
+        return "'?'"
