@@ -31,7 +31,7 @@ from ._errors import (
     WorkerEnvError,
     format_exitcode,
 )
-from ._supervisor import SupervisionReport, WorkerOutcome
+from ._report import SupervisionReport, WorkerOutcome
 
 __all__ = [
     "DaemonicParentError",

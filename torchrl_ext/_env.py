@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 from torchrl.envs import EnvBase, ParallelEnv
 
-from . import _lifecycle, _lifeline
+from . import _lifecycle, _reaper_client
 from ._compat import (
     HAS_DAEMON_KWARG,
     HAS_SHUTDOWN_TIMEOUT_KWARG,
@@ -30,7 +30,8 @@ from ._compat import (
 from ._done_signal import DEFAULT_SPIN, has_spare_core
 from ._errors import DaemonicParentError, WorkerDiedError
 from ._metadata import metadata_in_subprocess as metadata_in_subprocess_ctx
-from ._supervisor import SupervisionReport, WorkerSupervisor
+from ._report import SupervisionReport
+from ._supervisor import WorkerSupervisor
 from ._tag import Tag, new_env_tag
 from ._worker import WorkerConfig
 
@@ -244,7 +245,7 @@ class ManagedParallelEnv(ParallelEnv):
             raise DaemonicParentError(current.name)
         tag = new_env_tag()
         label = f"ManagedParallelEnv[{tag.env_id}]"
-        fifo = _lifeline.acquire()
+        fifo = _reaper_client.acquire()
         supervisor = WorkerSupervisor(tag, state.shutdown_timeout, label, base_dir=os.path.dirname(fifo))
         start_method = _start_method(self._mp_start_method)
         arm_pdeathsig = start_method == "forkserver" or threading.current_thread() is threading.main_thread()
@@ -316,7 +317,7 @@ class ManagedParallelEnv(ParallelEnv):
             self.parent_channels = []
             self.is_closed = True
             _lifecycle.unregister(self)
-            _lifeline.release()
+            _reaper_client.release()
         return failure
 
     # ------------------------------------------------------------------ failures
@@ -422,7 +423,7 @@ class ManagedParallelEnv(ParallelEnv):
             self._events = None
             self.event = None
             _lifecycle.unregister(self)
-            _lifeline.release()
+            _reaper_client.release()
         log.debug("%s", state.report)
 
     def close(self, *, raise_if_closed: bool = True) -> None:

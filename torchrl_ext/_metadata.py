@@ -28,11 +28,11 @@ import torch
 from torchrl.envs import EnvBase
 from torchrl.envs.env_creator import EnvCreator
 
-from . import _identity, _lifeline
+from . import _identity, _reaper_client
 from ._compat import get_env_metadata_patch
-from ._supervisor import rebuild_exception
 from ._tag import Tag
-from ._worker import WorkerConfig, end_own_descendants, exception_report, exit_now, prepare_process
+from ._wire import exception_report, rebuild_exception
+from ._worker import WorkerConfig, end_own_descendants, exit_now, prepare_process
 
 __all__ = ["metadata_in_subprocess"]
 
@@ -65,7 +65,7 @@ def _compute(
         return read(fn, kwargs, **extra)
     ctx: Any = multiprocessing.get_context(start_method)
     me = psutil.Process()
-    fifo = _lifeline.acquire()
+    fifo = _reaper_client.acquire()
     config = WorkerConfig(
         index=-1,
         tag=str(tag),
@@ -102,7 +102,7 @@ def _compute(
     finally:
         recv_conn.close()
         _end_tree(process, tag)
-        _lifeline.release()
+        _reaper_client.release()
     if kind == "error":
         raise rebuild_exception(payload, -1, process.pid)
     return payload
@@ -131,7 +131,7 @@ def _end_tree(process: Any, tag: Tag) -> None:
             process.kill()
         process.join(timeout=5.0)
     _identity.kill_and_reap(procs, grace=1.0, what="spec-reading env child")
-    _lifeline.send({"op": "unwatch", "pid": pid})
+    _reaper_client.send({"op": "unwatch", "pid": pid})
 
 
 _context = threading.local()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import multiprocessing.connection
 import os
-import pickle
 import shutil
 import signal
 import tempfile
@@ -24,71 +23,20 @@ from typing import Any
 
 import psutil
 
-from . import _identity, _lifeline, _platform
+from . import _identity, _platform, _reaper_client
 from ._done_signal import DoneSignal
-from ._errors import RemoteTraceback, WorkerDiedError, WorkerEnvError, format_exitcode
+from ._errors import WorkerDiedError, format_exitcode
 from ._lifecycle import CLOSE_MESSAGE_SHARE, SIGTERM_SHARE
+from ._report import Outcome, SupervisionReport, WorkerOutcome
 from ._tag import Tag
+from ._wire import read_report, rebuild_exception
 
-__all__ = ["SupervisionReport", "WorkerOutcome", "WorkerSupervisor"]
+__all__ = ["WorkerSupervisor"]
 
 log = logging.getLogger("torchrl_ext")
 
 SNAPSHOT_INTERVAL = 0.5
 FALLBACK_POLL_INTERVAL = 0.1
-
-
-@dataclass(frozen=True)
-class WorkerOutcome:
-    """How one worker ended.
-
-    ``outcome`` is one of ``"graceful"`` (exited after the close message), ``"terminated"``
-    (needed SIGTERM), ``"killed"`` (needed SIGKILL), ``"died"`` (was already dead: see
-    ``exitcode``) or ``"not started"``.
-    """
-
-    index: int
-    pid: int | None
-    outcome: str
-    exitcode: int | None
-    descendants_killed: int = 0
-
-
-@dataclass(frozen=True)
-class SupervisionReport:
-    """What closing an env took. ``env.supervision_report`` holds the last one.
-
-    Example:
-        >>> report = SupervisionReport(reason="close", duration=0.2, workers=(), leftovers_killed=0)
-        >>> report.clean
-        True
-    """
-
-    reason: str
-    duration: float
-    workers: tuple[WorkerOutcome, ...]
-    leftovers_killed: int = 0
-
-    @property
-    def clean(self) -> bool:
-        """Every worker closed gracefully and nothing had to be swept."""
-        return self.leftovers_killed == 0 and all(w.outcome == "graceful" for w in self.workers)
-
-    @property
-    def escalations(self) -> tuple[WorkerOutcome, ...]:
-        return tuple(w for w in self.workers if w.outcome in ("terminated", "killed"))
-
-    def __str__(self) -> str:
-        lines = [
-            f"shutdown ({self.reason}) took {self.duration:.2f}s; leftovers killed: {self.leftovers_killed}"
-        ]
-        for w in self.workers:
-            extra = f", {w.descendants_killed} descendant(s) killed" if w.descendants_killed else ""
-            lines.append(
-                f"  worker {w.index} (pid {w.pid}): {w.outcome}, "
-                f"exit code {format_exitcode(w.exitcode)}{extra}"
-            )
-        return "\n".join(lines)
 
 
 class _ParentChannel:
@@ -173,7 +121,7 @@ class WorkerSupervisor:
                 except psutil.Error:
                     ctime = time.time()
                 self._workers.append(_Worker(index, process, process.pid, ctime, recorder))
-                _lifeline.send({"op": "watch", "pid": process.pid, "ctime": ctime, "pgid": process.pid})
+                _reaper_client.send({"op": "watch", "pid": process.pid, "ctime": ctime, "pgid": process.pid})
         self._snapshot()
         self._thread = threading.Thread(
             target=self._watch, name=f"torchrl_ext-supervisor-{self.label}", daemon=True
@@ -257,7 +205,7 @@ class WorkerSupervisor:
         self.done_signal.notify()
 
     def _failure_for(self, worker: _Worker) -> BaseException:
-        report = _read_report(self.report_path(worker.index))
+        report = read_report(self.report_path(worker.index))
         last_command = worker.channel.last_command
         if report is None:
             return WorkerDiedError(worker.index, worker.pid, worker.exitcode, last_command)
@@ -292,7 +240,7 @@ class WorkerSupervisor:
         """
         reports = []
         for worker in self._workers:
-            report = _read_report(self.report_path(worker.index))
+            report = read_report(self.report_path(worker.index))
             if report is not None:
                 reports.append((float(report.get("time", 0.0)), worker.index, worker, report))
         if reports:
@@ -309,18 +257,6 @@ class WorkerSupervisor:
         return None
 
     # ------------------------------------------------------------------ failures
-    @property
-    def failed(self) -> bool:
-        return self.first_failure is not None
-
-    def raise_if_failed(self, poll: bool = True) -> None:
-        """Raise the first failure, if any worker has died (polls the sentinels first)."""
-        if poll and not self._failure_seen.is_set():
-            self.poll()
-        failure = self.first_failure
-        if failure is not None:
-            raise failure
-
     def raise_known_failure(self) -> None:
         """Raise the first failure the watcher thread has handled; no system call."""
         failure = self.first_failure
@@ -350,7 +286,7 @@ class WorkerSupervisor:
         deadline = t0 + timeout
         graceful_until = t0 + CLOSE_MESSAGE_SHARE * timeout
         term_until = t0 + SIGTERM_SHARE * timeout
-        outcome: dict[int, str] = {}
+        outcome: dict[int, Outcome] = {}
         for worker in workers:
             if worker.finished or worker.exited():
                 outcome[worker.index] = "died"  # exited before anyone asked it to
@@ -363,10 +299,11 @@ class WorkerSupervisor:
         for worker in workers:
             if worker.index not in outcome and self._exited(worker):
                 outcome[worker.index] = "graceful"
-        for sig, until, name in (
+        escalation: tuple[tuple[int, float, Outcome], ...] = (
             (signal.SIGTERM, term_until, "terminated"),
             (signal.SIGKILL, deadline, "killed"),
-        ):
+        )
+        for sig, until, name in escalation:
             pending = [w for w in workers if w.index not in outcome and not self._exited(w)]
             if not pending:
                 break
@@ -404,7 +341,7 @@ class WorkerSupervisor:
                 pass
             worker.exitcode = _exitcode(worker, wait=min(remaining, 1.0))
             worker.finished = True
-            _lifeline.send({"op": "unwatch", "pid": worker.pid})
+            _reaper_client.send({"op": "unwatch", "pid": worker.pid})
         self.stop()
         return SupervisionReport(
             reason=reason,
@@ -487,34 +424,3 @@ def _exitcode(worker: _Worker, wait: float = 1.0) -> int | None:
         if time.monotonic() >= deadline:
             return worker.exitcode
         time.sleep(0.002)
-
-
-def _read_report(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path, "rb") as fh:
-            report = pickle.load(fh)
-    except (OSError, pickle.UnpicklingError, EOFError):
-        return None
-    return report if isinstance(report, dict) else None
-
-
-def rebuild_exception(report: dict[str, Any], index: int, pid: int) -> BaseException:
-    exc: BaseException | None = None
-    if report.get("exception") is not None:
-        try:
-            exc = pickle.loads(report["exception"])
-        except Exception:
-            exc = None
-    if not isinstance(exc, BaseException):
-        exc = WorkerEnvError(index, pid, report.get("type", "Exception"), report.get("message", ""))
-    exc.__cause__ = RemoteTraceback(report.get("traceback", ""))
-    last = report.get("last_command")
-    where = f"while handling {last!r}" if last else "while building the env"
-    if index < 0:
-        note = f"Raised in the process (pid {pid}) that builds the env to read its specs."
-    else:
-        note = f"Raised in ManagedParallelEnv worker {index} (pid {pid}) {where}."
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-    exc.worker_index = index  # type: ignore[attr-defined]
-    return exc

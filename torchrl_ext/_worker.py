@@ -18,20 +18,18 @@ import multiprocessing
 import multiprocessing.process
 import multiprocessing.util
 import os
-import pickle
 import signal
 import sys
-import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import psutil
 
-from . import _identity, _lifeline, _platform
+from . import _identity, _platform, _reaper_client
 from ._done_signal import NotifyingFlags
 from ._errors import DaemonicWorkerError
+from ._wire import write_report
 
 __all__ = ["WorkerConfig", "exit_now", "prepare_process", "run_managed"]
 
@@ -123,7 +121,7 @@ def prepare_process(config: WorkerConfig) -> None:
     os.environ[_identity.WORKER_VAR] = str(config.index)
     if config.reaper_fifo:
         me = psutil.Process()
-        _lifeline.notify_watch(config.reaper_fifo, me.pid, me.create_time(), os.getpgrp())
+        _reaper_client.notify_watch(config.reaper_fifo, me.pid, me.create_time(), os.getpgrp())
     current = multiprocessing.current_process()
     if config.daemon_workers:
         base = multiprocessing.process.BaseProcess
@@ -133,37 +131,6 @@ def prepare_process(config: WorkerConfig) -> None:
         # TorchRL <= 0.10 hard-codes daemonic workers; the flag only matters inside this
         # process (it forbids children), and this process's children are supervised.
         current._config["daemon"] = False  # type: ignore[attr-defined]
-
-
-def exception_report(exc: BaseException, last_command: str | None) -> dict[str, Any]:
-    """A picklable description of ``exc`` for the parent (the exception itself if it pickles)."""
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    payload: bytes | None
-    try:
-        payload = pickle.dumps(exc)
-        pickle.loads(payload)
-    except Exception:
-        payload = None
-    return {
-        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
-        "message": str(exc),
-        "traceback": text,
-        "exception": payload,
-        "last_command": last_command,
-        "pid": os.getpid(),
-        "time": time.time(),
-    }
-
-
-def _write_report(config: WorkerConfig, exc: BaseException, last_command: str | None) -> None:
-    report = exception_report(exc, last_command)
-    tmp = f"{config.report_path}.tmp"
-    try:
-        with open(tmp, "wb") as fh:
-            pickle.dump(report, fh)
-        os.replace(tmp, config.report_path)
-    except OSError:
-        pass
 
 
 def end_own_descendants() -> None:
@@ -193,7 +160,7 @@ def run_managed(original: Callable[..., Any], config: WorkerConfig, kwargs: dict
             exit_now(0)
         if isinstance(exc, SystemExit | KeyboardInterrupt):
             raise
-        _write_report(config, exc, recorder.last_command)
+        write_report(config.report_path, exc, recorder.last_command)
         raise
     end_own_descendants()
     exit_now(0)
