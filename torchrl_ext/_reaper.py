@@ -127,11 +127,10 @@ class Reaper:
             if worker is None:
                 continue
             self.recent_groups.add(pgid)
-            try:
-                for child in worker.children(recursive=True):
-                    self.seen[(child.pid, child.create_time())] = child
-            except psutil.Error:
-                continue
+            for child in _identity.descendants(pid):
+                child_key = _identity.key_of(child)
+                if child_key is not None:
+                    self.seen[child_key] = child
         if ended or len(self.seen) != known:
             self.registry_dirty = True
 

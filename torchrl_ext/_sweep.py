@@ -79,12 +79,8 @@ def _tagged() -> list[TaggedProcess]:
         tag, worker = read_tag(proc)
         if tag is None:
             continue
-        try:
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-        except psutil.Error:
-            continue
-        found.append(TaggedProcess(proc, tag, worker))
+        if alive(proc):
+            found.append(TaggedProcess(proc, tag, worker))
     return found
 
 
