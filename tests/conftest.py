@@ -9,15 +9,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+
+# wait_until lives in tests/polling.py; imported here too, so `from tests.conftest import
+# wait_until` keeps working.
+from tests.polling import WaitTimeout, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 SESSION_VAR = "TORCHRL_EXT_TEST_SESSION"
@@ -118,15 +121,19 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     before |= {k for k in (_key(p) for p in _tagged_strangers(set())) if k is not None}
     dirs_before = _runtime_dirs()
     yield
-    deadline = time.monotonic() + 10.0
-    while True:
-        live, zombies = leftovers(before)
-        new_dirs = _runtime_dirs() - dirs_before
-        if not live and not zombies and not new_dirs:
-            return
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    found: dict[str, Any] = {}
+
+    def clean() -> bool:
+        found["live"], found["zombies"] = leftovers(before)
+        found["dirs"] = _runtime_dirs() - dirs_before
+        return not found["live"] and not found["zombies"] and not found["dirs"]
+
+    try:
+        wait_until(clean, "every process and runtime directory of the test is gone", timeout=10.0)
+        return
+    except WaitTimeout:
+        pass
+    live, zombies, new_dirs = found["live"], found["zombies"], found["dirs"]
     for path in new_dirs:
         shutil.rmtree(path, ignore_errors=True)
     if not live and not zombies:
@@ -144,14 +151,6 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         except (ChildProcessError, OSError):
             pass
     pytest.fail(message)
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    """Poll ``predicate`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not reached in {timeout}s"
-        time.sleep(0.05)
 
 
 def pid_alive(pid: int) -> bool:
@@ -254,21 +253,27 @@ class Scenario:
 
     def wait_ready(self, timeout: float = 180.0) -> dict[str, Any]:
         assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        proc = self.proc
+
+        def ready() -> dict[str, Any] | None:
             if self.ready_file.exists():
                 try:
                     return json.loads(self.ready_file.read_text())  # type: ignore[no-any-return]
                 except ValueError:
-                    pass
-            if self.proc.poll() is not None:
-                out, err = self.proc.communicate()
-                raise AssertionError(
-                    f"scenario ended before ready (rc {self.proc.returncode}):\n{out}\n{err}"
-                )
-            time.sleep(0.05)
-        self.kill()
-        raise AssertionError("scenario never became ready")
+                    pass  # written by os.replace; a partial write cannot be seen, but be safe
+            if proc.poll() is not None:
+                out, err = proc.communicate()
+                raise AssertionError(f"scenario ended before ready (rc {proc.returncode}):\n{out}\n{err}")
+            return None
+
+        try:
+            return wait_until(ready, "the scenario wrote its ready file", timeout=timeout)
+        except WaitTimeout:
+            self.kill()
+            out, err = proc.communicate()
+            raise AssertionError(
+                f"scenario never became ready in {timeout:g} s:\n{out}\n{err[-4000:]}"
+            ) from None
 
     def finish(self, timeout: float = 120.0) -> ScenarioResult:
         assert self.proc is not None

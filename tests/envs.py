@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -52,9 +53,13 @@ class ToyEnv(EnvBase):
         pid_dir: str | None = None,
         leak_in_init: bool = False,
         hold_gil: bool = False,
+        hang_loader_start: bool = False,
+        offset: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(batch_size=torch.Size([]), **kwargs)
+        if offset:  # state that state_dict()/load_state_dict() carry, added to every observation
+            self.register_buffer("offset", torch.zeros(OBS))
         if raise_in == "init" or (raise_in == "init_in_worker" and self._in_worker()):
             raise ValueError("boom in __init__")
         self.loader_kind = loader
@@ -65,6 +70,7 @@ class ToyEnv(EnvBase):
         self.raise_in = raise_in
         self.block_close = block_close
         self.pid_dir = pid_dir
+        self.hang_loader_start = hang_loader_start
         self._iter: Any = None
         self._loader: Any = None
         self._episode = 0
@@ -129,22 +135,31 @@ class ToyEnv(EnvBase):
             episode = next(iter(loader))
             return episode
         if self._iter is None:
+            init = None
+            if self.hang_loader_start:
+                assert self.pid_dir, "hang_loader_start records its phase in pid_dir"
+                init = functools.partial(_loader_worker_starts, self.pid_dir, os.getpid())
+                self._record("iter", os.getpid())  # the iterator, and its workers, start now
             self._loader = DataLoader(
                 EpisodeDataset(),
                 batch_size=None,
                 num_workers=self.dl_workers,
                 persistent_workers=True,
                 multiprocessing_context=self.dl_context,
+                worker_init_fn=init,
             )
             self._iter = iter(self._loader)
             if self.pid_dir:
                 for w in getattr(self._iter, "_workers", []):
                     self._record("dl", w.pid)
         try:
-            return next(self._iter)
+            episode = next(self._iter)
         except StopIteration:
             self._iter = iter(self._loader)
-            return next(self._iter)
+            episode = next(self._iter)
+        if self.hang_loader_start:
+            self._record("batch", os.getpid())  # never reached: the loader's workers never start
+        return episode
 
     def _reset(self, tensordict: TensorDict | None = None, **kwargs: Any) -> TensorDict:
         if self.raise_in == "reset":
@@ -154,7 +169,7 @@ class ToyEnv(EnvBase):
         self._t = 0
         return TensorDict(
             {
-                "observation": self._current.clone(),
+                "observation": self._current + self._offset(),
                 "done": torch.zeros(1, dtype=torch.bool),
                 "terminated": torch.zeros(1, dtype=torch.bool),
             },
@@ -176,13 +191,16 @@ class ToyEnv(EnvBase):
         done = torch.tensor([self._t >= 5])
         return TensorDict(
             {
-                "observation": self._current + self._t,
+                "observation": self._current + self._t + self._offset(),
                 "reward": torch.ones(1),
                 "done": done,
                 "terminated": done.clone(),
             },
             batch_size=[],
         )
+
+    def _offset(self) -> torch.Tensor | float:
+        return self.offset if hasattr(self, "offset") else 0.0
 
     def _set_seed(self, seed: int | None) -> None:
         self._episode = int(seed or 0) % 8
@@ -202,6 +220,16 @@ class ToyEnv(EnvBase):
         self._iter = None
         self._loader = None
         super().close(*args, **kwargs)
+
+
+def _loader_worker_starts(pid_dir: str, env_worker: int, worker_id: int) -> None:
+    """A DataLoader ``worker_init_fn`` that records that this loader worker started, then never
+    returns (as one stuck opening its data would): the worker stays in its start-up, before
+    torch's loop (and its watch of the parent) begins, and no batch is ever delivered."""
+    with open(os.path.join(pid_dir, f"dlstart-{env_worker}-{os.getpid()}"), "w") as fh:
+        fh.write(str(os.getpid()))
+    while True:
+        time.sleep(1)
 
 
 def _parent_death_signal() -> int:

@@ -6,8 +6,10 @@ The harness makes itself a child subreaper (Linux), runs CMD, and once CMD has e
 watching every descendant that was re-parented to it: it records how long after CMD's death
 each one disappeared, reaps them all (this process owns nothing else, so reaping any child is
 safe here) and records their exit codes, and SIGKILLs whatever is still alive LINGER seconds
-later, marking it leaked. The result goes to OUT.json. Written for tests: it keeps fault
-scenarios from leaving zombies on a machine whose PID 1 does not reap.
+later, marking it leaked (as it does with a process it still cannot reap ``UNREAPED_WAIT``
+seconds after that: one whose main thread has exited while other threads run on). The result
+goes to OUT.json. Written for tests: it keeps fault scenarios from leaving zombies on a
+machine whose PID 1 does not reap.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import time
 import psutil
 
 PR_SET_CHILD_SUBREAPER = 36
+#: Seconds to wait, once nothing runs any more, for the threads of zombie processes to end.
+UNREAPED_WAIT = 30.0
 
 
 #: Exit code (negative: killed by that signal) of every process this harness reaped.
@@ -90,11 +94,21 @@ def main() -> int:
             break
         time.sleep(0.01)
     # A process whose main thread has exited shows as a zombie while its other threads still
-    # exit, and cannot be reaped until they have: wait for those too (bounded).
-    deadline = time.monotonic() + 5.0
+    # run, and cannot be reaped until they have ended: wait for those too, and report (and
+    # kill) whatever still runs at the deadline instead of leaving it behind unmentioned.
+    deadline = time.monotonic() + UNREAPED_WAIT
     while me.children() and time.monotonic() < deadline:
         _reap_all()
         time.sleep(0.01)
+    unreaped = me.children()
+    for proc in unreaped:
+        leaked.append({"pid": proc.pid, "cmdline": _describe(proc), "unreaped": True})
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(unreaped, timeout=5)
+    _reap_all()
     result["survivors"] = list(survivors.values())
     result["leaked"] = leaked
     result["seen_before_death"] = list(seen.values())

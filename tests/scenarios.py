@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 from tests.envs import make_env
+from tests.polling import wait_until
 from torchrl_ext import ManagedParallelEnv
 
 ENV: Any = None  # a global env, as users keep them
@@ -37,6 +38,7 @@ def _build(args: argparse.Namespace) -> ManagedParallelEnv:
         step_sleep=args.step_sleep,
         pid_dir=args.pid_dir,
         hold_gil=args.hold_gil,
+        hang_loader_start=args.hang_loader_start,
     )
     return ManagedParallelEnv(
         args.workers,
@@ -80,6 +82,9 @@ def main() -> int:
     parser.add_argument("--shutdown-timeout", type=float, default=5.0)
     parser.add_argument("--pid-dir", default=None)
     parser.add_argument("--hold-gil", action="store_true")
+    parser.add_argument(
+        "--hang-loader-start", action="store_true", help="DataLoader workers never finish starting"
+    )
     parser.add_argument("--exit-with-parent", choices=("on", "off"), default="on")
     args = parser.parse_args()
 
@@ -105,16 +110,24 @@ def main() -> int:
         # any clean-up, as a SIGKILLed trainer would: what the child does is up to its
         # ``exit_with_parent``.
         import multiprocessing
-        import time
 
         progress, stop = args.ready + ".progress", args.ready + ".stop"
         child = multiprocessing.get_context("fork").Process(
             target=_env_in_child, args=(args.exit_with_parent == "on", progress, stop)
         )
         child.start()
-        deadline = time.monotonic() + 120
-        while not os.path.exists(progress) and time.monotonic() < deadline:
-            time.sleep(0.05)
+
+        def child_stepped() -> bool:
+            if not child.is_alive() and not os.path.exists(progress):
+                raise AssertionError(f"the env-owning child died first (exit code {child.exitcode})")
+            return os.path.exists(progress)
+
+        try:
+            wait_until(child_stepped, "the env-owning child finished its first rollout", timeout=120)
+        except BaseException:
+            child.kill()  # not left stepping: this scenario then fails before ready
+            child.join()
+            raise
         _ready(args.ready, child=child.pid, progress=progress, stop=stop)
         os._exit(0)
 

@@ -13,27 +13,51 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import START_METHODS, pid_alive, wait_until
+from tests.conftest import START_METHODS, pid_alive
 from tests.envs import make_env
+from tests.polling import wait_until
 from torchrl_ext import ManagedParallelEnv, WorkerDiedError
+
+#: ``shutdown_timeout`` of tests that expect a graceful close: the close message phase (60 %)
+#: then lasts long enough for a worker to close its DataLoader on a loaded machine; a close
+#: that needs less returns as soon as the workers have exited. (The DataLoader workers of
+#: these tests are forked, whatever the env workers' start method: spawning them costs a
+#: torch import each and proves nothing more about closing.)
+GRACEFUL_TIMEOUT = 60.0
 
 
 def _pids(pid_dir: Path, prefix: str) -> list[int]:
     return [int(p.read_text()) for p in pid_dir.glob(f"{prefix}-*")]
 
 
+def _our_zombie(pid: int) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        return proc.ppid() == os.getpid() and proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 @pytest.mark.compat
-def test_close_healthy_twice_reports_graceful(tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", START_METHODS)
+def test_close_healthy_twice_reports_graceful(method: str, tmp_path: Path) -> None:
     env = ManagedParallelEnv(
         2,
-        functools.partial(make_env, loader="persistent", subprocess_kind="plain", pid_dir=str(tmp_path)),
+        functools.partial(
+            make_env, loader="persistent", dl_context="fork", subprocess_kind="plain", pid_dir=str(tmp_path)
+        ),
         daemon_workers=False,
-        mp_start_method="fork",
+        mp_start_method=method,
+        shutdown_timeout=GRACEFUL_TIMEOUT,
     )
-    env.rollout(3)
-    children = _pids(tmp_path, "dl") + _pids(tmp_path, "sim")
-    assert len(children) == 6, "2 DataLoader workers and 1 simulator per worker"
-    env.close()
+    try:
+        env.rollout(3)
+        children = _pids(tmp_path, "dl") + _pids(tmp_path, "sim")
+        assert len(children) == 6, "2 DataLoader workers and 1 simulator per worker"
+        assert all(pid_alive(p) for p in children)
+        env.close()
+    finally:
+        env.close(raise_if_closed=False)
     first = env.supervision_report
     with pytest.raises(RuntimeError, match="trying to close a closed environment"):
         env.close()  # as upstream: raise_if_closed defaults to True
@@ -42,24 +66,28 @@ def test_close_healthy_twice_reports_graceful(tmp_path: Path) -> None:
     assert report is first
     assert report is not None and report.clean, str(report)
     assert [w.outcome for w in report.workers] == ["graceful", "graceful"]
-    assert not [p for p in children if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert not [p for p in children if pid_alive(p)]
 
 
 @pytest.mark.compat
-def test_close_after_worker_was_sigkilled(tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", START_METHODS)
+def test_close_after_worker_was_sigkilled(method: str, tmp_path: Path) -> None:
     env = ManagedParallelEnv(
         2,
-        functools.partial(make_env, loader="persistent", pid_dir=str(tmp_path)),
+        functools.partial(make_env, loader="persistent", dl_context="fork", pid_dir=str(tmp_path)),
         daemon_workers=False,
-        mp_start_method="fork",
+        mp_start_method=method,
+        shutdown_timeout=GRACEFUL_TIMEOUT,
     )
-    env.rollout(2)
-    victim = env.worker_pids[1]
-    os.kill(victim, signal.SIGKILL)
-    with pytest.raises(WorkerDiedError):
+    try:
         env.rollout(2)
-    env.close()  # no error although a worker died
-    env.close(raise_if_closed=False)
+        victim = env.worker_pids[1]
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(WorkerDiedError):
+            env.rollout(2)
+        env.close()  # no error although a worker died
+    finally:
+        env.close(raise_if_closed=False)
     report = env.supervision_report
     assert report is not None
     outcomes = {w.index: w for w in report.workers}
@@ -67,35 +95,79 @@ def test_close_after_worker_was_sigkilled(tmp_path: Path) -> None:
     assert outcomes[0].outcome == "graceful"
 
 
-def test_close_escalates_on_blocking_close_and_ignored_sigterm(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "method",
+    # On TorchRL 0.10.1 under fork only: two spawned env starts and two 5 s closes cost it 40 s.
+    [pytest.param("fork", marks=pytest.mark.compat), "forkserver", "spawn"],
+)
+def test_close_escalates_on_blocking_close_and_ignored_sigterm(
+    method: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Worker 0's env blocks in ``close()``: SIGTERM ends it. Worker 1's also ignores SIGTERM:
+    SIGKILL ends it. Each escalation is logged, naming the worker, its pid and the signal."""
     fns = [
         functools.partial(make_env, block_close=True),
         functools.partial(make_env, block_close=True, ignore_sigterm=True),
     ]
-    env = ManagedParallelEnv(2, fns, daemon_workers=False, mp_start_method="fork", shutdown_timeout=2.0)
-    env.rollout(2)
-    env.close()
+    # SIGTERM goes out at 80 % of the timeout: 1 s is left for the SIGTERMed worker to be seen
+    # exiting before SIGKILL would follow, slack for a loaded machine.
+    env = ManagedParallelEnv(2, fns, daemon_workers=False, mp_start_method=method, shutdown_timeout=5.0)
+    try:
+        env.rollout(2)
+        pids = env.worker_pids
+        with caplog.at_level("WARNING", logger="torchrl_ext"):
+            env.close()
+    finally:
+        env.close(raise_if_closed=False)
     report = env.supervision_report
     assert report is not None
-    assert [w.outcome for w in report.workers] == ["terminated", "killed"]
+    assert [w.outcome for w in report.workers] == ["terminated", "killed"], str(report)
     assert not report.clean
+    messages = [r.getMessage() for r in caplog.records]
+    for index, sent in [(0, "sending SIGTERM"), (1, "sending SIGTERM"), (1, "sending SIGKILL")]:
+        assert any(f"worker {index} (pid {pids[index]})" in m and sent in m for m in messages), messages
+    assert not any(f"worker 0 (pid {pids[0]})" in m and "sending SIGKILL" in m for m in messages), messages
 
 
-def test_shutdown_warns_on_escalation(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "library bug: when close() SIGTERMs a worker's process group, that worker's DataLoader "
+        "workers die after it, are re-parented to the main process (the child subreaper) and "
+        "stay its zombie children; nothing reaps them"
+    ),
+)
+def test_escalated_close_reaps_the_loader_workers(tmp_path: Path) -> None:
+    """Both workers block in ``close()`` and need SIGTERM; their 4 DataLoader workers die with
+    them (same process group). Nothing of them may be left, not even a zombie."""
     env = ManagedParallelEnv(
-        1,
-        functools.partial(make_env, block_close=True),
+        2,
+        functools.partial(
+            make_env, loader="persistent", dl_context="fork", block_close=True, pid_dir=str(tmp_path)
+        ),
         daemon_workers=False,
         mp_start_method="fork",
-        shutdown_timeout=1.0,
+        shutdown_timeout=2.0,
     )
-    env.rollout(1)
-    pid = env.worker_pids[0]
-    with caplog.at_level("WARNING", logger="torchrl_ext"):
+    try:
+        env.rollout(2)
+        loaders = _pids(tmp_path, "dl")
+        assert len(loaders) == 4
         env.close()
-    assert any(
-        f"worker 0 (pid {pid})" in r.getMessage() and "SIGTERM" in r.getMessage() for r in caplog.records
-    )
+    finally:
+        env.close(raise_if_closed=False)
+    report = env.supervision_report
+    assert report is not None and [w.outcome for w in report.workers] == ["terminated", "terminated"]
+    try:
+        wait_until(
+            lambda: not [pid for pid in loaders if _our_zombie(pid)],
+            "the DataLoader workers of the SIGTERMed workers were reaped",
+            timeout=5,
+        )
+    finally:
+        for pid in loaders:  # whatever the outcome, leave no zombie to the next test
+            if _our_zombie(pid):
+                os.waitpid(pid, 0)
 
 
 def test_context_manager_closes() -> None:

@@ -14,7 +14,6 @@ import functools
 import multiprocessing
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -131,7 +130,7 @@ def test_sigkill_of_training_process_leaves_nothing(
     assert not [pid for pid in tree if pid_alive(pid)]
 
 
-def _reap_harness_orphans(result: ScenarioResult, timeout: float = 5.0) -> None:
+def _reap_harness_orphans(result: ScenarioResult, timeout: float = 30.0) -> None:
     """Reap processes of the scenario that end up as zombie children of this process.
 
     The harness counts a process whose main thread has exited (status Z) as gone, although
@@ -140,16 +139,18 @@ def _reap_harness_orphans(result: ScenarioResult, timeout: float = 5.0) -> None:
     becomes our zombie when its last thread ends. Seen with TorchRL 0.10's forked workers.
     """
     pids = {int(info["pid"]) for info in result.seen_before_death}
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for pid in pids:
+    me = psutil.Process()
+
+    def none_left() -> bool:
+        ours = [child.pid for child in me.children() if child.pid in pids]
+        for pid in ours:
             try:
                 os.waitpid(pid, os.WNOHANG)  # only ever reaps a child of ours
             except ChildProcessError:
                 pass
-        if not [pid for pid in pids if psutil.pid_exists(pid)]:
-            return
-        time.sleep(0.05)
+        return not [child for child in me.children() if child.pid in pids]
+
+    wait_until(none_left, "processes of the scenario re-parented to this process were reaped", timeout)
 
 
 # --------------------------------------------------------------------------- daemonic parents

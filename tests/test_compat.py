@@ -107,6 +107,7 @@ def test_fault_check_is_installed_at_the_first_start_not_at_import() -> None:
         batched_envs._check_for_faulty_process = previous
 
 
+@pytest.mark.compat
 def test_scoped_patch_restores_what_was_current_and_keeps_a_later_patch() -> None:
     module = types.SimpleNamespace(f="original")
     patch = _compat.ScopedPatch(module, "f", lambda previous: f"ours over {previous}")

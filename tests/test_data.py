@@ -9,9 +9,8 @@ import multiprocessing
 import os
 import pickle
 import threading
-import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from tensordict import TensorDict
 from torch.utils.data import Dataset
 from torch.utils.data._utils import signal_handling
 
+from tests.polling import wait_until
 from torchrl_ext.data import (
     EpisodeLoader,
     EpisodeSampler,
@@ -70,15 +70,6 @@ def _assert_epochs(order: list[int], n: int = N_EPISODES) -> None:
     assert len(order) % n == 0
     for start in range(0, len(order), n):
         assert sorted(order[start : start + n]) == list(range(n)), order
-
-
-def _wait_until(pred: Callable[[], bool], timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
 
 
 def _children() -> set[int]:
@@ -226,7 +217,7 @@ def test_dataloader_backend_order_reseed_fork_and_close() -> None:
     loader.close()
     loader.close()
     assert loader.closed and not loader.started
-    assert _wait_until(lambda: not (_children() - baseline)), _children() - baseline
+    wait_until(lambda: not (_children() - baseline), "the loader's workers exited after close()")
     with pytest.raises(RuntimeError):
         next(loader)
 
@@ -246,7 +237,7 @@ def test_memmap_dataset_through_spawned_workers_and_del_reaps(tmp_path: Path) ->
     assert len(_children() - baseline) == 2
     del loader  # no close(): __del__ must still shut the workers down
     gc.collect()
-    assert _wait_until(lambda: not (_children() - baseline)), _children() - baseline
+    wait_until(lambda: not (_children() - baseline), "the dropped loader's workers exited")
 
 
 # ------------------------------------------------------------------------ daemonic fallback
@@ -321,7 +312,7 @@ def test_thread_prefetcher_order_errors_and_close() -> None:
     pf2 = ThreadPrefetcher(slow_count, keys=itertools.count(), prefetch=1, name=name)
     assert next(pf2) == 0
     # Queue full (1 item) plus one loaded item waiting to be put: the producer is blocked.
-    assert _wait_until(lambda: len(calls) >= 3)
+    wait_until(lambda: len(calls) >= 3, "the producer filled the queue and loaded one more item")
     thread = next(t for t in threading.enumerate() if t.name == name)
     assert thread.daemon
     pf2.close()
@@ -432,8 +423,10 @@ def test_loader_workers_yield_to_stepping(worker_nice: int | None) -> None:
         workers = [psutil.Process(pid) for pid in _children() - baseline]
         assert len(workers) == 2
         expected = mine if worker_nice is None else min(19, mine + worker_nice)
-        assert _wait_until(lambda: all(w.nice() == expected for w in workers)), [w.nice() for w in workers]
-    assert _wait_until(lambda: not (_children() - baseline))
+        wait_until(
+            lambda: all(w.nice() == expected for w in workers), f"the loader's workers run at nice {expected}"
+        )
+    wait_until(lambda: not (_children() - baseline), "the loader's workers exited")
 
 
 def test_worker_nice_cannot_raise_priority() -> None:

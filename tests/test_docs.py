@@ -239,24 +239,121 @@ def test_troubleshooting_covers_every_logged_warning() -> None:
     assert not missing, "docs/troubleshooting.md does not quote these logged messages:\n" + "\n".join(missing)
 
 
-def test_guarantee_table_cites_existing_tests() -> None:
+@dataclass(frozen=True)
+class CitedTest:
+    """Where a test runs, as pytest collects it."""
+
+    compat: bool  # some of its cases are in the compat suite (also run on TorchRL 0.10.1)
+    methods: frozenset[str]  # start methods among its parameters or quoted in its source
+
+
+_METHOD = re.compile(r"\b(forkserver|fork|spawn)\b")
+_QUOTED_METHOD = re.compile(r"""["'](forkserver|fork|spawn)["']""")
+_CITED = re.compile(r"`((?:\w+/)*test_\w+\.py)::(test_\w+)`")
+
+# Run by the test below in a fresh interpreter: collect the given files and print, for each
+# test function, whether a case of it carries the compat mark and its parameter values.
+_COLLECT = """
+import json, sys
+from pathlib import Path
+import pytest
+
+found = {}
+
+class Collect:
+    def pytest_collection_modifyitems(self, items):
+        for item in items:
+            key = f"{Path(item.path).relative_to(Path('tests').resolve()).as_posix()}::{item.originalname}"
+            entry = found.setdefault(key, {"compat": False, "params": []})
+            entry["compat"] = entry["compat"] or item.get_closest_marker("compat") is not None
+            callspec = getattr(item, "callspec", None)
+            if callspec is not None:
+                entry["params"] += [v for v in callspec.params.values() if isinstance(v, str)]
+
+code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *sys.argv[1:]], plugins=[Collect()])
+print("COLLECTED" + json.dumps(found))
+sys.exit(int(code))
+"""
+
+
+def _guarantee_rows() -> list[list[str]]:
     page = (DOCS / "guarantees.md").read_text(encoding="utf-8")
-    defined = {
-        (path.name, name)
-        for path in (ROOT / "tests").glob("test_*.py")
-        for name in re.findall(r"^def (test_\w+)\(", path.read_text(encoding="utf-8"), flags=re.MULTILINE)
+    rows = []
+    for line in page.splitlines():
+        if not line.startswith("|") or re.match(r"^\|\s*-", line):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[-2:] == ["proven on", "proven by"]:
+            continue  # a header
+        rows.append(cells)
+    return rows
+
+
+def _source_methods() -> dict[str, set[str]]:
+    """Start methods quoted in each test function's source (``"file.py::test_name"``)."""
+    found = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        rel = path.relative_to(ROOT / "tests").as_posix()
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                found[f"{rel}::{node.name}"] = set(_QUOTED_METHOD.findall(ast.unparse(node)))
+    return found
+
+
+def _cited_tests(rows: list[list[str]]) -> dict[str, CitedTest]:
+    """What pytest collects of every test the rows cite (a test it does not collect is left
+    out: the caller reports it)."""
+    files = sorted({f"tests/{path}" for cells in rows for path, _ in _CITED.findall(cells[-1])})
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-c", _COLLECT, *files],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("COLLECTED")), None)
+    assert proc.returncode == 0 and line is not None, (
+        f"collection failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
+    quoted = _source_methods()
+    return {
+        key: CitedTest(
+            entry["compat"],
+            frozenset({*quoted.get(key, ()), *(p for p in entry["params"] if _METHOD.fullmatch(p))}),
+        )
+        for key, entry in json.loads(line[len("COLLECTED") :]).items()
     }
-    rows = [
-        line
-        for line in page.splitlines()
-        if line.startswith("|") and not re.match(r"^\|\s*-", line) and "proven by" not in line
-    ]
+
+
+def test_guarantee_table_cites_existing_tests() -> None:
+    """Every row cites tests that pytest collects, and names where they are proven: the TorchRL
+    releases (0.10.1 exactly when every cited test has cases in the compat suite) and the start
+    methods (forkserver and spawn only where every cited test runs them)."""
+    rows = _guarantee_rows()
     assert len(rows) >= 20
-    for row in rows:
-        cited = re.findall(r"`(test_\w+\.py)::(test_\w+)`", row)
+    defined = _cited_tests(rows)
+    for cells in rows:
+        row = " | ".join(cells)
+        cited = [f"{path}::{name}" for path, name in _CITED.findall(cells[-1])]
         assert cited, f"guarantee row cites no test: {row}"
         unknown = [c for c in cited if c not in defined]
         assert not unknown, f"guarantee row cites tests that do not exist: {unknown}"
+        assert len(cells) >= 4, f"guarantee row without a 'proven on' column: {row}"
+        where, tests = cells[-2], [defined[c] for c in cited]
+        assert "0.14.1" in where, f"row does not say it is proven on TorchRL 0.14.1: {row}"
+        compat = all(t.compat for t in tests)
+        assert ("0.10.1" in where) == compat, (
+            f"row {'omits' if compat else 'claims'} TorchRL 0.10.1, but its tests are "
+            f"{'all' if compat else 'not all'} in the compat suite: {row}"
+        )
+        claimed = set(_METHOD.findall(where))
+        assert claimed or "no env workers" in where, f"row names no start method: {row}"
+        for method in claimed - {"fork"}:
+            missing = [c for c, t in zip(cited, tests, strict=True) if method not in t.methods]
+            assert not missing, f"row claims {method}, which {missing} do not run: {row}"
 
 
 def test_readme_links_resolve() -> None:

@@ -5,22 +5,31 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import select
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tests.envs import make_env
-from torchrl_ext import ManagedParallelEnv, WorkerDiedError
+from tests.polling import wait_until
+from torchrl_ext import ManagedParallelEnv, WorkerDiedError, _done_signal
 from torchrl_ext._compat import HAS_DAEMON_KWARG
 from torchrl_ext._done_signal import DoneSignal, NotifyingFlags
 
 # TorchRL 0.10 has no shared done flags: its own event-based wait is kept there.
 needs_shared_flags = pytest.mark.skipif(not HAS_DAEMON_KWARG, reason="TorchRL < 0.11 has no shared flags")
+
+
+#: What the sleeper's sleeps are raised to in the wake-up tests: far above WAKE_DEADLINE, so
+#: that only a wake-up byte in the FIFO can end a sleep in time, never the sleeper's own polling.
+NO_POLLING = 3600.0
+#: How long a wake-up test waits for the sleeper to return.
+WAKE_DEADLINE = 60.0
 
 
 @pytest.fixture
@@ -30,6 +39,75 @@ def signal_(tmp_path: Path) -> Iterator[DoneSignal]:
     done.close()
 
 
+@pytest.fixture
+def no_polling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sleeper's first and longest sleeps become an hour (``_FIRST_SLEEP``, ``_SLICE``)."""
+    monkeypatch.setattr(_done_signal, "_FIRST_SLEEP", NO_POLLING)
+    monkeypatch.setattr(_done_signal, "_SLICE", NO_POLLING)
+
+
+class Sleeps:
+    """Records each sleep (``select`` call) of ``_done_signal``'s waits in this process."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.fds: list[int] = []
+        self._select = select.select
+
+    def select(self, rlist: list[int], *rest: Any) -> Any:
+        self.fds.append(rlist[0])
+        self.entered.set()
+        return self._select(rlist, *rest)
+
+    def release(self) -> None:
+        """End the newest sleep with a byte written straight into its FIFO."""
+        os.write(self.fds[-1], b"x")
+
+
+@pytest.fixture
+def sleeps(monkeypatch: pytest.MonkeyPatch) -> Sleeps:
+    recorder = Sleeps()
+    monkeypatch.setattr(_done_signal, "select", recorder)
+    return recorder
+
+
+def _wait_in_thread(signal_: DoneSignal, flags: Any, indices: list[int], spin: float, check: Any) -> None:
+    """Run ``signal_.wait_for`` in a thread and fail unless it returns within WAKE_DEADLINE.
+
+    On failure the sleeper is released by a byte written straight into its FIFO (not through
+    the code under test) and stopped by its next check, so that no thread is left behind.
+    """
+    errors: list[BaseException] = []
+    abandoned = threading.Event()
+
+    def guarded_check() -> None:
+        if abandoned.is_set():
+            raise RuntimeError("the test gave up waiting")
+        check()
+
+    def wait() -> None:
+        try:
+            signal_.wait_for(flags, indices, timeout=NO_POLLING, spin=spin, check=guarded_check)
+        except BaseException as err:
+            errors.append(err)
+
+    waiter = threading.Thread(target=wait, name="test-sleeper")
+    waiter.start()
+    try:
+        wait_until(lambda: not waiter.is_alive(), "the sleeper was woken", timeout=WAKE_DEADLINE)
+    finally:
+        if waiter.is_alive():
+            abandoned.set()
+            fd = os.open(signal_.path, os.O_WRONLY | os.O_NONBLOCK)
+            try:
+                os.write(fd, b"x")
+            finally:
+                os.close(fd)
+        waiter.join()
+    if errors:
+        raise errors[0]
+
+
 def _set_later(flags: NotifyingFlags, indices: list[int], started: threading.Event) -> None:
     started.wait()
     for i in indices:
@@ -37,7 +115,11 @@ def _set_later(flags: NotifyingFlags, indices: list[int], started: threading.Eve
 
 
 @pytest.mark.parametrize("spin", [0.0, 2.5e-4])
-def test_wait_returns_once_every_flag_is_set_and_clears_them(signal_: DoneSignal, spin: float) -> None:
+def test_wait_returns_once_every_flag_is_set_and_clears_them(
+    signal_: DoneSignal, no_polling: None, spin: float
+) -> None:
+    """Flags set from another thread once the waiter is about to sleep: only the wake-up byte
+    that ``NotifyingFlags`` writes can end the sleep within the deadline."""
     raw = multiprocessing.RawArray("b", 3)
     flags = NotifyingFlags(raw, signal_.path)
     checks = threading.Event()
@@ -47,26 +129,40 @@ def test_wait_returns_once_every_flag_is_set_and_clears_them(signal_: DoneSignal
 
     setter = threading.Thread(target=_set_later, args=(flags, [0, 2], checks))
     setter.start()
-    signal_.wait_for(raw, [0, 2], timeout=60.0, spin=spin, check=check)
-    setter.join()
+    try:
+        _wait_in_thread(signal_, raw, [0, 2], spin, check)
+    finally:
+        checks.set()
+        setter.join()
+    assert checks.is_set()
     assert list(raw) == [0, 0, 0]
 
 
-def test_waiting_process_wakes_for_a_flag_set_in_another_process(signal_: DoneSignal) -> None:
-    raw = multiprocessing.get_context("fork").RawArray("b", 2)
+def test_waiting_process_wakes_for_a_flag_set_in_another_process(
+    signal_: DoneSignal, no_polling: None, sleeps: Sleeps
+) -> None:
+    """A forked "worker" sets its flag only once the waiter sleeps: the byte it writes into
+    the FIFO is what wakes the waiter."""
     ctx = multiprocessing.get_context("fork")
+    raw = ctx.RawArray("b", 2)
+    go = ctx.Event()
 
     def worker() -> None:
         flags = NotifyingFlags(raw, signal_.path)
-        flags[1] = 1
+        if go.wait(WAKE_DEADLINE):
+            flags[1] = 1
         os._exit(0)
 
     proc = ctx.Process(target=worker)
-    proc.start()
+    proc.start()  # before the waiter thread exists: fork a single-threaded process
     try:
-        signal_.wait_for(raw, [1], timeout=60.0, spin=0.0, check=lambda: None)
-        assert raw[1] == 0
+        release = threading.Thread(target=lambda: sleeps.entered.wait(WAKE_DEADLINE) and go.set())
+        release.start()
+        _wait_in_thread(signal_, raw, [1], 0.0, lambda: None)
+        release.join()
+        assert sleeps.entered.is_set() and raw[1] == 0
     finally:
+        go.set()
         proc.join(30)
 
 
@@ -86,7 +182,7 @@ def test_timeout_raises_like_torchrl(signal_: DoneSignal) -> None:
         signal_.wait_for(raw, [0], timeout=0.01, spin=0.0, check=lambda: None)
 
 
-def test_notify_wakes_a_sleeper_that_then_rechecks(signal_: DoneSignal) -> None:
+def test_notify_wakes_a_sleeper_that_then_rechecks(signal_: DoneSignal, no_polling: None) -> None:
     raw = multiprocessing.RawArray("b", 1)
     calls = []
 
@@ -96,8 +192,8 @@ def test_notify_wakes_a_sleeper_that_then_rechecks(signal_: DoneSignal) -> None:
             raw[0] = 1  # set without a wake-up byte: only notify() can end the sleep
             signal_.notify()
 
-    signal_.wait_for(raw, [0], timeout=60.0, spin=0.0, check=check)
-    assert raw[0] == 0
+    _wait_in_thread(signal_, raw, [0], 0.0, check)
+    assert raw[0] == 0 and len(calls) == 1
 
 
 def test_notifying_flags_survive_a_missing_reader(tmp_path: Path) -> None:
@@ -128,31 +224,49 @@ def test_spin_wait_is_validated() -> None:
 
 
 @needs_shared_flags
-def test_worker_death_wakes_a_main_process_asleep_in_a_long_step(tmp_path: Path) -> None:
+def test_worker_death_wakes_a_main_process_asleep_in_a_long_step(
+    tmp_path: Path, no_polling: None, sleeps: Sleeps
+) -> None:
     """The main thread sleeps (no spinning) through a step that never ends; the death still
-    becomes WorkerDiedError (the supervisor wakes the sleeper), not TorchRL's 10000 s timeout."""
+    becomes WorkerDiedError (the supervisor wakes the sleeper), not TorchRL's 10000 s timeout.
+    The sleeper's own polling is off: it sleeps an hour unless woken."""
     env = ManagedParallelEnv(
         2,
         functools.partial(make_env, pid_dir=str(tmp_path), step_sleep=3600.0),
         daemon_workers=False,
         mp_start_method="fork",
         spin_wait=0.0,
+        shutdown_timeout=2.0,  # the survivor never finishes its step: close() must SIGTERM it
     )
     env.reset()
     victim = env.worker_pids[0]
+    failures: list[BaseException] = []
+    stepped = threading.Event()
 
-    def kill_when_stepping() -> None:
-        deadline = time.monotonic() + 120
-        while not list(tmp_path.glob(f"stepping-{victim}-*")) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        os.kill(victim, signal.SIGKILL)
+    def kill_when_asleep() -> None:
+        try:
+            wait_until(lambda: list(tmp_path.glob(f"stepping-{victim}-*")), "the victim is in its step")
+            wait_until(sleeps.entered.is_set, "the main thread sleeps in the step")
+        except BaseException as err:
+            failures.append(err)
+        os.kill(victim, signal.SIGKILL)  # in any case: the step must end
+        try:
+            wait_until(stepped.is_set, "the death woke the main thread", timeout=WAKE_DEADLINE)
+        except BaseException as err:
+            failures.append(err)
+            sleeps.release()  # not left asleep for an hour: fail now
 
-    killer = threading.Thread(target=kill_when_stepping)
+    sleeps.entered.clear()  # the reset may have slept already
+    killer = threading.Thread(target=kill_when_asleep)
     killer.start()
     try:
         with pytest.raises(WorkerDiedError) as info:
-            env.rand_step()
+            try:
+                env.rand_step()
+            finally:
+                stepped.set()
         assert info.value.pid == victim
     finally:
         killer.join()
-        env.close()
+        env.close(raise_if_closed=False)
+    assert not failures, failures

@@ -16,19 +16,44 @@ from torch.utils.data import DataLoader, Dataset
 
 from tests.conftest import fd_count, pid_alive, shm_entries
 from tests.envs import make_env
+from tests.polling import wait_until
 from torchrl_ext import ManagedParallelEnv, RemoteTraceback, WorkerDiedError
 
 
+def _mapped_by_strangers(names: set[str]) -> set[str]:
+    """Those of ``names`` (``/dev/shm`` entries) that a process outside this test's tree has
+    mapped: another program's (other test runs on the machine), not ours."""
+    ours = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
+    found = set()
+    for pid in psutil.pids():
+        if pid in ours:
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as fh:
+                maps = fh.read()
+        except OSError:
+            continue
+        found |= {name for name in names if f"/dev/shm/{name}" in maps}
+    return found
+
+
 def assert_no_shm_growth(before: set[str], cycles: int) -> None:
-    """No /dev/shm entry per cycle. Named semaphores (``sem.mp-*``) carry no owner, and the
-    directory is machine-wide: anything else running may add one, so those only fail the test
-    when they grow with the cycles."""
+    """No /dev/shm entry per cycle. The directory is machine-wide: entries another process
+    maps are someone else's; named semaphores (``sem.mp-*``) carry no owner, and one nobody
+    maps may be another program's too, so those only fail the test when they grow with the
+    cycles."""
     new = shm_entries() - before
+    new -= _mapped_by_strangers(new)
     assert not {e for e in new if not e.startswith("sem.mp-")}, new
     assert len(new) < cycles, new
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+@pytest.mark.parametrize(
+    "method",
+    # On TorchRL 0.10.1 under fork only: under spawn and forkserver, each worker's 2 DataLoader
+    # workers are spawned too (a torch import each), which the compat run cannot afford.
+    [pytest.param("fork", marks=pytest.mark.compat), "forkserver", "spawn"],
+)
 def test_sigkilled_worker_raises_worker_died_error(method: str, tmp_path: Path) -> None:
     env = ManagedParallelEnv(
         2,
@@ -37,6 +62,7 @@ def test_sigkilled_worker_raises_worker_died_error(method: str, tmp_path: Path) 
         ),
         daemon_workers=False,
         mp_start_method=method,
+        shutdown_timeout=60.0,  # the survivor's close may take a while on a loaded machine
     )
     try:
         env.rollout(2)
@@ -59,27 +85,38 @@ def test_sigkilled_worker_raises_worker_died_error(method: str, tmp_path: Path) 
         with pytest.raises(WorkerDiedError):
             env.reset()
     finally:
-        env.close()
+        env.close(raise_if_closed=False)
 
 
+@pytest.mark.compat
 def test_worker_died_error_pickles() -> None:
     err = WorkerDiedError(3, 1234, -7, "step")
     clone = pickle.loads(pickle.dumps(err))
     assert str(clone) == str(err) and clone.worker_index == 3 and "SIGBUS(-7)" in str(clone)
 
 
+_RAISE_IN = {
+    "init_in_worker": (ValueError, "building"),
+    "reset": (KeyError, "'reset'"),
+    "step": (ZeroDivisionError, "step"),
+}
+
+
 @pytest.mark.compat
 @pytest.mark.parametrize(
-    ("raise_in", "exc_type", "when"),
-    [
-        ("init_in_worker", ValueError, "building"),
-        ("reset", KeyError, "'reset'"),
-        ("step", ZeroDivisionError, "step"),
-    ],
+    ("raise_in", "exc_type", "when", "method"),
+    # Every site under fork. Under spawn (TorchRL's default), a failure while the worker
+    # starts and one in its command loop ("reset" fails in the same loop as "step"); under
+    # forkserver, the command loop. (Each case costs a spawned env start.)
+    [(site, *_RAISE_IN[site], "fork") for site in _RAISE_IN]
+    + [(site, *_RAISE_IN[site], "spawn") for site in ("init_in_worker", "step")]
+    + [("step", *_RAISE_IN["step"], "forkserver")],
 )
-def test_env_exceptions_keep_their_type(raise_in: str, exc_type: type[BaseException], when: str) -> None:
+def test_env_exceptions_keep_their_type(
+    raise_in: str, exc_type: type[BaseException], when: str, method: str
+) -> None:
     fns = [functools.partial(make_env), functools.partial(make_env, raise_in=raise_in)]
-    env = ManagedParallelEnv(2, fns, daemon_workers=False, mp_start_method="fork")
+    env = ManagedParallelEnv(2, fns, daemon_workers=False, mp_start_method=method)
     try:
         with pytest.raises(exc_type) as info:
             env.rollout(3)
@@ -89,7 +126,8 @@ def test_env_exceptions_keep_their_type(raise_in: str, exc_type: type[BaseExcept
         assert "boom" in err.__cause__.tb
         assert when in "".join(getattr(err, "__notes__", []))
     finally:
-        env.close()
+        # A worker that failed while starting leaves the env closed, as upstream's does.
+        env.close(raise_if_closed=False)
 
 
 @pytest.mark.compat
@@ -203,6 +241,7 @@ def _crash_message(loader: DataLoader) -> str:  # type: ignore[type-arg]
     return message
 
 
+@pytest.mark.compat
 def test_main_process_dataloader_keeps_its_own_crash_report() -> None:
     """Our supervision never reaps someone else's child: torch still sees its worker die."""
     env = ManagedParallelEnv(2, functools.partial(make_env), daemon_workers=False, mp_start_method="fork")
@@ -215,26 +254,38 @@ def test_main_process_dataloader_keeps_its_own_crash_report() -> None:
         env.close()
 
 
-def test_env_started_from_a_short_lived_thread_keeps_working() -> None:
+@pytest.mark.parametrize(
+    "method",
+    [pytest.param("fork", marks=pytest.mark.compat), "forkserver", "spawn"],  # 0.10.1: fork only
+)
+def test_env_started_from_a_short_lived_thread_keeps_working(method: str) -> None:
+    """The parent-death signal fires when the *thread* that started a process ends: workers
+    started from a thread that then ends must keep running, under every start method."""
     holder: dict[str, ManagedParallelEnv] = {}
 
     def start() -> None:
-        env = ManagedParallelEnv(2, functools.partial(make_env), daemon_workers=False, mp_start_method="fork")
-        env.reset()
-        holder["env"] = env
+        holder["env"] = ManagedParallelEnv(
+            2, functools.partial(make_env), daemon_workers=False, mp_start_method=method
+        )
+        holder["env"].reset()
 
     t = threading.Thread(target=start)
     t.start()
     t.join()
     env = holder["env"]
     try:
+        assert env.worker_pids, "the thread started the workers"
+        # The kernel thread is gone too (join() returns a moment before): whatever its end
+        # signals has been sent.
+        wait_until(lambda: not os.path.exists(f"/proc/self/task/{t.native_id}"), "the thread has exited")
         out = env.rollout(4)
         assert out.shape[0] == 2
         assert all(pid_alive(p) for p in env.worker_pids)
     finally:
-        env.close()
+        env.close(raise_if_closed=False)
 
 
+@pytest.mark.compat
 def test_death_detected_without_pidfds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The macOS / old-kernel path: no pidfd, and the sentinel is held open by the dead
     worker's forked DataLoader workers; polling still notices the death."""

@@ -35,6 +35,7 @@ def test_handlers_installed_while_open_and_restored_after() -> None:
     assert {sig: signal.getsignal(sig) for sig in HANDLED_SIGNALS} == before
 
 
+@pytest.mark.compat
 def test_opt_out_and_ignored_signals_stay_ignored() -> None:
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
@@ -78,6 +79,7 @@ def test_every_descendant_inherits_the_owner_tag(tmp_path: Path) -> None:
         env.close()
 
 
+@pytest.mark.compat
 def test_package_import_starts_nothing() -> None:
     code = (
         "import psutil, threading, torchrl_ext, torchrl_ext.data\n"

@@ -20,7 +20,6 @@ import multiprocessing
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ ray = pytest.importorskip("ray", reason="needs the optional Ray extra: pip insta
 
 from tests.collector_scenarios import check_toy_batch, make_managed_env, make_policy  # noqa: E402
 from tests.conftest import ROOT, pid_alive  # noqa: E402
+from tests.polling import wait_until  # noqa: E402
 from torchrl_ext._sweep import leftover_processes  # noqa: E402
 from torchrl_ext._tag import read_tag  # noqa: E402
 
@@ -45,6 +45,8 @@ pytestmark = [
 
 KILL_CHILDREN_VAR = "RAY_kill_child_processes_on_worker_exit"
 DEADLINE = 10.0  # the guarantee is ~2 s; slack for a loaded 2-core machine
+#: How long a test's teardown waits for Ray's processes after ``ray.shutdown()``.
+RAY_EXIT = 60.0
 REMOTE = {"num_cpus": 1, "num_gpus": 0, "memory": 512 * 1024**2}
 
 
@@ -68,18 +70,18 @@ def _wait_for_ray_to_exit(ours_before: set[int]) -> None:
     Once this process is a child subreaper (any ManagedParallelEnv started here makes it
     one), Ray's orphaned workers are re-parented here and stay zombies until reaped.
     """
-    deadline = time.monotonic() + DEADLINE
-    while leftover_processes() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    mp_children = {p.pid for p in multiprocessing.active_children()}
-    for child in psutil.Process().children():
-        if child.pid in ours_before or child.pid in mp_children:
-            continue
-        try:
-            if child.status() == psutil.STATUS_ZOMBIE:
-                os.waitpid(child.pid, os.WNOHANG)
-        except (psutil.Error, ChildProcessError):
-            pass
+    try:
+        wait_until(lambda: not leftover_processes(), "every process Ray started exited", timeout=RAY_EXIT)
+    finally:
+        mp_children = {p.pid for p in multiprocessing.active_children()}
+        for child in psutil.Process().children():
+            if child.pid in ours_before or child.pid in mp_children:
+                continue
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(child.pid, os.WNOHANG)
+            except (psutil.Error, ChildProcessError):
+                pass
 
 
 def _tagged_by_owner() -> dict[int, set[int]]:
@@ -102,13 +104,8 @@ def _pid_files(pid_dir: Path) -> dict[str, set[int]]:
     return out
 
 
-def _wait_gone(pids: set[int], timeout: float = DEADLINE) -> float:
-    t0 = time.monotonic()
-    while [p for p in pids if pid_alive(p)]:
-        left = [p for p in pids if pid_alive(p)]
-        assert time.monotonic() - t0 < timeout, f"still alive after {timeout}s: {left}"
-        time.sleep(0.05)
-    return time.monotonic() - t0
+def _wait_gone(pids: set[int], timeout: float = DEADLINE) -> None:
+    wait_until(lambda: not [p for p in pids if pid_alive(p)], f"{sorted(pids)} are all gone", timeout=timeout)
 
 
 def _actor_pid(actor: Any) -> int:
@@ -192,10 +189,7 @@ def test_ray_shutdown_with_live_collectors_leaves_nothing(ray_cluster: None, tmp
     _wait_gone(owners | tagged | recorded["env_workers"] | recorded["dl"] | recorded["sim"])
     assert not [p for owner in owners for p in _tagged_by_owner().get(owner, ())]
     # Ray's own processes (GCS, raylet, agents, workers) are gone too.
-    deadline = time.monotonic() + DEADLINE
-    while leftover_processes() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not leftover_processes()
+    wait_until(lambda: not leftover_processes(), "Ray's own processes exited", timeout=DEADLINE)
     del it, collector
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import Scenario, wait_until
+from tests.conftest import Scenario, pid_alive
+from tests.polling import wait_until
 from torchrl_ext import _platform
 from torchrl_ext._reaper import Reaper, Registry
 from torchrl_ext._sweep import find_orphans, leftover_processes
@@ -50,10 +51,10 @@ def test_sweep_lists_then_kills_orphans_of_a_dead_owner(tmp_path: Path) -> None:
     # Only these owners (and no runtime directories of other runs on this machine).
     scope = ["--owner", str(dead.pid), "--owner", str(me.pid), "--runtime-dir", str(tmp_path)]
     try:
-        deadline = time.monotonic() + 30
-        while {orphan.pid, reused.pid} - {t.process.pid for t in find_orphans(str(tmp_path))}:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(
+            lambda: not {orphan.pid, reused.pid} - {t.process.pid for t in find_orphans(str(tmp_path))},
+            "both tagged processes are found as orphans",
+        )
         listed = _run_cli(*scope)
         assert listed.returncode == 1
         assert str(orphan.pid) in listed.stdout and str(reused.pid) in listed.stdout
@@ -109,8 +110,10 @@ def test_sweep_finds_forked_escapees_through_the_registry(scenario: Scenario, tm
 
     for proc in [*reapers, main]:  # a node-wide kill: the reaper goes with its owner
         proc.kill()
-    workers = [psutil.Process(pid) for pid in ready["workers"]]
-    psutil.wait_procs(workers, timeout=30)  # parent-death signal
+    wait_until(
+        lambda: not [pid for pid in ready["workers"] if pid_alive(pid)],
+        "the workers died with their owner (parent-death signal)",
+    )
     assert all(psutil.pid_exists(pid) for pid in escapees), "the escapees should have outlived everything"
     assert not {o.process.pid for o in find_orphans(str(tmp_path)) if o.found_by == "tag"} & escapees
 
@@ -165,6 +168,7 @@ def test_registry_forgets_descendants_that_ended(tmp_path: Path) -> None:
         worker.wait()
 
 
+@pytest.mark.compat
 def test_registry_group_of_a_dead_worker_needs_a_live_anchor() -> None:
     """An old registry names a worker whose pid now leads nothing, while a stranger lives in a
     process group of that id (a daemon that double-forked: its session leader exited). The sweep
