@@ -129,14 +129,6 @@ def test_close_escalates_on_blocking_close_and_ignored_sigterm(
     assert not any(f"worker 0 (pid {pids[0]})" in m and "sending SIGKILL" in m for m in messages), messages
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "library bug: when close() SIGTERMs a worker's process group, that worker's DataLoader "
-        "workers die after it, are re-parented to the main process (the child subreaper) and "
-        "stay its zombie children; nothing reaps them"
-    ),
-)
 def test_escalated_close_reaps_the_loader_workers(tmp_path: Path) -> None:
     """Both workers block in ``close()`` and need SIGTERM; their 4 DataLoader workers die with
     them (same process group). Nothing of them may be left, not even a zombie."""

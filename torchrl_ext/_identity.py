@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from collections.abc import Iterable, Mapping
 
 import psutil
@@ -57,6 +58,10 @@ WORKER_VAR = "TORCHRL_EXT_WORKER"
 CTIME_TOLERANCE = 1e-3
 #: Create times are rounded to clock ticks: "born after X" allows this much (seconds).
 BIRTH_SLACK = 0.01
+#: How long kill-and-reap waits for a zombie child whose other threads are still exiting.
+ZOMBIE_WAIT = 1.0
+#: Poll interval of that wait (seconds).
+REAP_POLL = 0.005
 
 ProcessKey = tuple[int, float]
 #: A recorded worker: pid -> (create time, process group id).
@@ -163,7 +168,8 @@ def tree(
     recent_groups: Iterable[int] = (),
     include_workers: bool = True,
 ) -> list[psutil.Process]:
-    """Every live process of ours, each once (see the module doc).
+    """Every live process of ours, each once (see the module doc), and those of them that are
+    the caller's zombie children (so that :func:`kill_and_reap` collects them).
 
     Args:
         workers: the recorded workers, pid -> (create time, process group).
@@ -187,7 +193,7 @@ def tree(
                 found[key] = proc
     for proc in seen:
         key = key_of(proc)
-        if key is not None and alive(proc):
+        if key is not None and (alive(proc) or _our_zombie(proc)):
             found[key] = proc
     anchored = set(recent_groups)
     for proc in [*anchors, *found.values()]:
@@ -230,20 +236,54 @@ def tree(
             return False
         return pid not in excluded or abs(ctime - excluded[pid][0]) >= CTIME_TOLERANCE
 
-    return [proc for key, proc in found.items() if wanted(key) and alive(proc)]
+    # Our own zombie children are kept too, so that kill-and-reap collects them: a worker's
+    # descendants that died with it (a SIGTERM to its process group) were re-parented to us,
+    # the child subreaper, and nobody else will wait for them.
+    return [proc for key, proc in found.items() if wanted(key) and (alive(proc) or _our_zombie(proc))]
+
+
+def _our_zombie(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE and proc.ppid() == os.getpid()
+    except psutil.Error:
+        return False
 
 
 # --------------------------------------------------------------------------- kill and reap
-def reap_if_child(procs: Iterable[psutil.Process]) -> None:
-    """Collect the exit status of those ``procs`` that are (now) our zombie children."""
+def reap_if_child(procs: Iterable[psutil.Process], wait: float = 0.0) -> None:
+    """Collect the exit status of those ``procs`` that are (now) our zombie children.
+
+    A zombie whose other threads are still exiting cannot be collected yet (``waitpid``
+    returns 0): such ones are retried for up to ``wait`` seconds.
+    """
     me = os.getpid()
+    pending = []
     for proc in procs:
         try:
-            if proc.ppid() != me:
-                continue
-            os.waitpid(proc.pid, os.WNOHANG)
-        except (psutil.Error, ChildProcessError, OSError):
+            if proc.ppid() == me:
+                pending.append(proc.pid)
+        except psutil.Error:
             continue
+    deadline = time.monotonic() + wait
+    while pending:
+        left = []
+        for pid in pending:
+            try:
+                if os.waitpid(pid, os.WNOHANG) == (0, 0) and _zombie(pid):
+                    left.append(pid)
+            except (ChildProcessError, OSError):
+                continue
+        if not left or time.monotonic() >= deadline:
+            return
+        pending = left
+        time.sleep(REAP_POLL)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def kill_and_reap(
@@ -283,7 +323,7 @@ def kill_and_reap(
             pass
     if killed:
         psutil.wait_procs(killed, timeout=kill_wait)
-    reap_if_child(everything)
+    reap_if_child(everything, wait=min(kill_wait, ZOMBIE_WAIT))
     return terminated, killed
 
 
