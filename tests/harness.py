@@ -77,7 +77,9 @@ def main() -> int:
             except psutil.Error:
                 continue
             alive.append(proc)
-            info = survivors.setdefault(proc.pid, {"pid": proc.pid, "cmdline": _describe(proc)})
+            # A process that is exiting shows an empty command line: name it by what it was.
+            described = _describe(proc) or str(seen.get(proc.pid, {}).get("cmdline", ""))
+            info = survivors.setdefault(proc.pid, {"pid": proc.pid, "cmdline": described})
             info["last_seen_after"] = now - died_at
         _reap_all()
         if not alive:
