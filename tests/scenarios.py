@@ -87,6 +87,10 @@ def main() -> int:
     )
     parser.add_argument("--exit-with-parent", choices=("on", "off"), default="on")
     args = parser.parse_args()
+    # As in a program started from a terminal, whatever started the test run (nohup, a shell's
+    # background job ignores SIGINT): the signal scenarios send these.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
     if args.name == "user_handler":
         marker = args.ready + ".handler"

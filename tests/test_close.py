@@ -17,6 +17,7 @@ from tests.conftest import START_METHODS, pid_alive
 from tests.envs import make_env
 from tests.polling import wait_until
 from torchrl_ext import ManagedParallelEnv, WorkerDiedError
+from torchrl_ext._compat import HAS_DAEMON_KWARG
 
 #: ``shutdown_timeout`` of tests that expect a graceful close: the close message phase (60 %)
 #: then lasts long enough for a worker to close its DataLoader on a loaded machine; a close
@@ -69,8 +70,22 @@ def test_close_healthy_twice_reports_graceful(method: str, tmp_path: Path) -> No
     assert not [p for p in children if pid_alive(p)]
 
 
+#: Known defect (docs/guarantees.md): a forkserver child's exit status reaches its parent once,
+#: through ``Popen.poll``, which is not thread-safe: when the supervisor thread and the main
+#: thread (TorchRL 0.10's wait checks ``is_alive()``) poll a dying worker at the same moment,
+#: one of them reads EOF and multiprocessing records exit code 255. Seen on TorchRL 0.10.1
+#: under load; not strict, as it is a race.
+_RACY_FORKSERVER_EXITCODE = pytest.mark.xfail(
+    not HAS_DAEMON_KWARG,
+    strict=False,
+    reason="library bug: concurrent Popen.poll() of a forkserver worker can record exit code 255",
+)
+
+
 @pytest.mark.compat
-@pytest.mark.parametrize("method", START_METHODS)
+@pytest.mark.parametrize(
+    "method", ["fork", pytest.param("forkserver", marks=_RACY_FORKSERVER_EXITCODE), "spawn"]
+)
 def test_close_after_worker_was_sigkilled(method: str, tmp_path: Path) -> None:
     env = ManagedParallelEnv(
         2,
@@ -129,6 +144,7 @@ def test_close_escalates_on_blocking_close_and_ignored_sigterm(
     assert not any(f"worker 0 (pid {pids[0]})" in m and "sending SIGKILL" in m for m in messages), messages
 
 
+@pytest.mark.compat
 def test_escalated_close_reaps_the_loader_workers(tmp_path: Path) -> None:
     """Both workers block in ``close()`` and need SIGTERM; their 4 DataLoader workers die with
     them (same process group). Nothing of them may be left, not even a zombie."""
@@ -154,7 +170,7 @@ def test_escalated_close_reaps_the_loader_workers(tmp_path: Path) -> None:
         wait_until(
             lambda: not [pid for pid in loaders if _our_zombie(pid)],
             "the DataLoader workers of the SIGTERMed workers were reaped",
-            timeout=5,
+            timeout=30,
         )
     finally:
         for pid in loaders:  # whatever the outcome, leave no zombie to the next test

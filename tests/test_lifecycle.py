@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -18,8 +19,21 @@ from torchrl_ext._lifecycle import HANDLED_SIGNALS, _handle_signal
 from torchrl_ext._tag import Tag
 
 
+@pytest.fixture
+def default_signal_dispositions() -> Iterator[None]:
+    """Signals not ignored, whatever started the test run (``nohup``, a background job):
+    an ignored signal stays ignored by design (see the next test)."""
+    previous = {sig: signal.getsignal(sig) for sig in HANDLED_SIGNALS}
+    for sig, handler in previous.items():
+        if handler is signal.SIG_IGN:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    yield
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
 @pytest.mark.compat
-def test_handlers_installed_while_open_and_restored_after() -> None:
+def test_handlers_installed_while_open_and_restored_after(default_signal_dispositions: None) -> None:
     before = {sig: signal.getsignal(sig) for sig in HANDLED_SIGNALS}
     env = ManagedParallelEnv(1, functools.partial(make_env), daemon_workers=False, mp_start_method="fork")
     env2 = ManagedParallelEnv(1, functools.partial(make_env), daemon_workers=False, mp_start_method="fork")
