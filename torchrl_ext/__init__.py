@@ -22,6 +22,8 @@ if os.name != "posix":  # before anything imports POSIX-only names (signal.SIGKI
 
 import logging
 
+# First: it records the global start method before TorchRL's import sets one.
+from ._forkserver import PreloadError  # isort: skip
 from ._env import ManagedParallelEnv
 from ._errors import (
     DaemonicParentError,
@@ -37,6 +39,7 @@ __all__ = [
     "DaemonicParentError",
     "DaemonicWorkerError",
     "ManagedParallelEnv",
+    "PreloadError",
     "RemoteTraceback",
     "SupervisionReport",
     "WorkerDiedError",

@@ -41,6 +41,7 @@ __all__ = [
     "SupervisedWorkers",
     "install_fault_check",
     "managed_worker_targets",
+    "worker_context",
 ]
 
 _init_params = inspect.signature(ParallelEnv.__init__).parameters
@@ -79,6 +80,7 @@ PRIVATE_MODULE_NAMES: dict[str, str] = {
     "batched_envs.get_env_metadata": "spec reader; run in a helper process (metadata_in_subprocess)",
     "batched_envs.gc": "the worker loop's gc.collect() before exit, skipped after a close",
     "_utils._get_default_mp_start_method (>=0.11)": "start method ParallelEnv uses when none given",
+    "batched_envs.mp": "torch.multiprocessing as TorchRL uses it; get_context routed to the preloaded server",
 }
 #: Attributes of a started ``ParallelEnv`` (instance or class) that ``ManagedParallelEnv`` uses.
 PRIVATE_ENV_ATTRIBUTES: dict[str, str] = {
@@ -216,6 +218,50 @@ def managed_worker_targets() -> Iterator[None]:
     """While active, ParallelEnv starts workers through our entry points (see the module doc)."""
     with _ENTRY_PATCHES[0].active(), _ENTRY_PATCHES[1].active():
         yield
+
+
+# --------------------------------------------------------------------------- start context
+_route = threading.local()
+
+
+class _ContextRouter:
+    """Stands in for ``torch.multiprocessing`` in ``batched_envs`` while a managed env starts
+    its workers from the preloaded fork server: ``get_context`` called by that thread returns
+    the preloaded context; everything else (other threads, every other name) is the module's."""
+
+    def __init__(self, previous: Any) -> None:
+        self._previous = previous
+
+    def get_context(self, method: str | None = None) -> Any:
+        routed = getattr(_route, "context", None)
+        if routed is not None:
+            return routed
+        return self._previous.get_context(method)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._previous, name)
+
+
+_MP_PATCH = ScopedPatch(batched_envs, "mp", _ContextRouter)
+
+
+@contextlib.contextmanager
+def worker_context(env: Any, context: Any) -> Iterator[None]:
+    """While active, ``env._start_workers`` (TorchRL's) starts its processes from ``context``
+    (``None``: unchanged). TorchRL reads ``_mp_start_method`` to pick its process class, so
+    it is ``"forkserver"`` for the duration and ``None`` again after, as the user left it."""
+    if context is None:
+        yield
+        return
+    previous = env.__dict__.get("_mp_start_method")
+    env.__dict__["_mp_start_method"] = context.get_start_method()
+    _route.context = context
+    try:
+        with _MP_PATCH.active():
+            yield
+    finally:
+        _route.context = None
+        env.__dict__["_mp_start_method"] = previous
 
 
 # --------------------------------------------------------------------------- fault check

@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 from torchrl.envs import EnvBase, ParallelEnv
 
-from . import _lifecycle, _reaper_client
+from . import _forkserver, _lifecycle, _reaper_client
 from ._compat import (
     HAS_DAEMON_KWARG,
     HAS_SHUTDOWN_TIMEOUT_KWARG,
@@ -26,6 +26,7 @@ from ._compat import (
     SupervisedWorkers,
     install_fault_check,
     managed_worker_targets,
+    worker_context,
 )
 from ._done_signal import DEFAULT_SPIN, has_spare_core
 from ._errors import DaemonicParentError, WorkerDiedError
@@ -57,6 +58,8 @@ class _ManagedState:
         reap_orphans: bool,
         spin_wait: float | None = None,
         exit_with_parent: bool | None = None,
+        preload: bool | tuple[str, ...] = True,
+        child_start_method: str | None = None,
     ):
         self.daemon_workers = daemon_workers
         self.shutdown_timeout = shutdown_timeout
@@ -66,6 +69,10 @@ class _ManagedState:
         #: What the wait uses: ``spin_wait`` with its default resolved.
         self.spin = DEFAULT_SPIN if spin_wait is None else spin_wait
         self.exit_with_parent = exit_with_parent
+        self.preload = preload
+        self.child_start_method = child_start_method
+        #: Modules the preloaded server is asked for (base ones excluded); ``None``: not used.
+        self.preload_modules: tuple[str, ...] | None = None
         self.supervisor: WorkerSupervisor | None = None
         self.report: SupervisionReport | None = None
         self.closing = False
@@ -82,6 +89,8 @@ class _ManagedState:
                 self.reap_orphans,
                 self.spin_wait,
                 self.exit_with_parent,
+                self.preload,
+                self.child_start_method,
             ),
         )
 
@@ -109,6 +118,29 @@ def _start_method(requested: str | None) -> str:
         return str(_get_default_mp_start_method())
     except ImportError:  # TorchRL 0.10 uses spawn when none is given
         return "spawn"
+
+
+_NOT_PRELOADED = ("__main__", "__mp_main__", "builtins")
+
+
+def _factory_modules(create_env_fn: Any) -> list[str]:
+    """Modules defining the env factories (``__main__`` is preloaded through its path)."""
+    fns = list(create_env_fn) if isinstance(create_env_fn, list | tuple) else [create_env_fn]
+    found: list[str] = []
+    for fn in fns:
+        for _ in range(8):  # unwrap EnvCreator, functools.partial, CloudpickleWrapper
+            inner = getattr(fn, "create_env_fn", None) or getattr(fn, "func", None) or getattr(fn, "fn", None)
+            if inner is None or inner is fn:
+                break
+            fn = inner
+        module = getattr(fn, "__module__", None)
+        if not isinstance(module, str):
+            module = type(fn).__module__
+        if module in _NOT_PRELOADED or module.split(".")[0] in ("torchrl", "functools"):
+            continue
+        if module not in found:
+            found.append(module)
+    return found
 
 
 class ManagedParallelEnv(ParallelEnv):
@@ -146,6 +178,16 @@ class ManagedParallelEnv(ParallelEnv):
             dies (the training process of a collector worker), close the envs and end this
             process with SIGTERM. ``None`` (default): when this process was started by
             ``multiprocessing``; a top-level program is never affected.
+        preload: with non-daemonic workers, no ``mp_start_method`` and no global start method
+            chosen by the program, workers (and the spec-reading env) are forked from a
+            preloaded, supervised fork server that has already imported torch, TorchRL and the
+            factory's module (see docs/design.md, "Fast start"). A sequence of module names adds
+            them to the server's imports; ``False`` uses TorchRL's default start method.
+            An explicit ``mp_start_method`` always wins.
+        child_start_method: default start method inside each worker, that is, what a
+            ``DataLoader(num_workers>0)`` built there without ``multiprocessing_context`` uses.
+            ``None`` (default): ``"fork"`` for workers of the preloaded server (no torch
+            import, no interpreter shutdown per DataLoader worker), else left as inherited.
         **kwargs: everything ``torchrl.envs.ParallelEnv`` accepts.
 
     Example:
@@ -176,6 +218,8 @@ class ManagedParallelEnv(ParallelEnv):
         metadata_in_subprocess: bool | None = None,
         spin_wait: float | None = None,
         exit_with_parent: bool | None = None,
+        preload: bool | Sequence[str] = True,
+        child_start_method: str | None = None,
         **kwargs: Any,
     ) -> None:
         if shutdown_timeout is None:
@@ -185,9 +229,35 @@ class ManagedParallelEnv(ParallelEnv):
         if spin_wait is not None and not spin_wait >= 0:
             raise ValueError(f"spin_wait must be None or >= 0 seconds, got {spin_wait!r}")
         resolved = _resolve_daemon(daemon_workers, daemon)
-        self.__dict__["_trx"] = _ManagedState(
-            resolved, float(shutdown_timeout), handle_signals, reap_orphans, spin_wait, exit_with_parent
+        methods = multiprocessing.get_all_start_methods()
+        if child_start_method is not None and child_start_method not in methods:
+            raise ValueError(
+                f"child_start_method={child_start_method!r} is not a start method here; "
+                f"choose one of {methods} or None"
+            )
+        preload_setting: bool | tuple[str, ...] = (
+            bool(preload) if isinstance(preload, bool) else tuple(str(m) for m in preload)
         )
+        state = _ManagedState(
+            resolved,
+            float(shutdown_timeout),
+            handle_signals,
+            reap_orphans,
+            spin_wait,
+            exit_with_parent,
+            preload_setting,
+            child_start_method,
+        )
+        self.__dict__["_trx"] = state
+        if (
+            preload_setting is not False
+            and not resolved
+            and kwargs.get("mp_start_method") is None
+            and not _forkserver.start_method_chosen_by_user()
+            and "forkserver" in multiprocessing.get_all_start_methods()
+        ):
+            extra = preload_setting if isinstance(preload_setting, tuple) else ()
+            state.preload_modules = (*_factory_modules(create_env_fn), *extra)
         if HAS_DAEMON_KWARG:
             kwargs["daemon"] = resolved
         if HAS_SHUTDOWN_TIMEOUT_KWARG:
@@ -201,13 +271,36 @@ class ManagedParallelEnv(ParallelEnv):
             super().__init__(num_workers, create_env_fn, **kwargs)
             return
         tag = new_env_tag()
-        start_method = _start_method(kwargs.get("mp_start_method"))
+        start: Any = self._preloaded_context() or _start_method(kwargs.get("mp_start_method"))
         with metadata_in_subprocess_ctx(
-            start_method,
+            start,
             Tag(tag.owner_pid, tag.owner_create_time, tag.env_id + ".meta"),
             f"ManagedParallelEnv[{tag.env_id}]",
+            self._child_start_method(),
         ):
             super().__init__(num_workers, create_env_fn, **kwargs)
+
+    def _preloaded_context(self) -> Any:
+        """The preloaded server's context if this env uses it (the server running), else None."""
+        state: _ManagedState = self.__dict__["_trx"]
+        if state.preload_modules is None:
+            return None
+        _lifecycle.install_exit_hook()  # stops the server at exit, after every env is closed
+        return _forkserver.context(state.preload_modules)
+
+    def _child_start_method(self) -> str | None:
+        state: _ManagedState = self.__dict__["_trx"]
+        if state.child_start_method is not None:
+            return state.child_start_method
+        return "fork" if state.preload_modules is not None else None
+
+    @property
+    def start_method(self) -> str:
+        """How workers start: ``"preloaded"`` (forks of the preloaded server) or the
+        ``multiprocessing`` start method TorchRL uses."""
+        if self.__dict__["_trx"].preload_modules is not None:
+            return "preloaded"
+        return _start_method(self.__dict__.get("_mp_start_method"))
 
     # ------------------------------------------------------------------ public extras
     @property
@@ -243,11 +336,16 @@ class ManagedParallelEnv(ParallelEnv):
         current = multiprocessing.current_process()
         if current.daemon:
             raise DaemonicParentError(current.name)
+        context = self._preloaded_context()  # raises PreloadError before anything started
         tag = new_env_tag()
         label = f"ManagedParallelEnv[{tag.env_id}]"
         fifo = _reaper_client.acquire()
         supervisor = WorkerSupervisor(tag, state.shutdown_timeout, label, base_dir=os.path.dirname(fifo))
-        start_method = _start_method(self._mp_start_method)
+        if context is not None:
+            server = _forkserver.server_key()
+            if server is not None:  # the reaper kills it too if this process dies
+                _reaper_client.notify_watch(fifo, server[0], server[1], server[0])
+        start_method = "forkserver" if context is not None else _start_method(self._mp_start_method)
         arm_pdeathsig = start_method == "forkserver" or threading.current_thread() is threading.main_thread()
         me = psutil.Process()
         owner_ctime = me.create_time()
@@ -266,6 +364,7 @@ class ManagedParallelEnv(ParallelEnv):
                     report_path=supervisor.report_path(i),
                     reaper_fifo=fifo,
                     done_fifo=None if state.spin == float("inf") else supervisor.done_signal.path,
+                    child_start_method=self._child_start_method(),
                 ),
             )
             for i, kwargs in enumerate(user_kwargs)
@@ -276,7 +375,7 @@ class ManagedParallelEnv(ParallelEnv):
             exit_with_parent = _lifecycle.multiprocessing_parent() is not None
         _lifecycle.register(self, state.handle_signals, state.reap_orphans, exit_with_parent)
         try:
-            with managed_worker_targets():
+            with managed_worker_targets(), worker_context(self, context):
                 super()._start_workers()
         except BaseException as err:
             failure = self._abort_start(supervisor, err)

@@ -84,21 +84,28 @@ def register(
     env: _Closable, handle_signals: bool, reap_orphans: bool = False, exit_with_parent: bool = False
 ) -> None:
     """Track an env that just started its workers."""
-    global _atexit_installed, _subreaper_ours
+    global _subreaper_ours
     with _lock:
         _live[id(env)] = (weakref.ref(env), handle_signals, reap_orphans)
         if exit_with_parent:
             _exit_with_parent.add(id(env))
             _start_parent_watch()
-        if not _atexit_installed:
-            atexit.register(_at_exit)
-            _atexit_installed = True
+        install_exit_hook()
         if handle_signals:
             _install_signal_handlers()
         if reap_orphans and not _subreaper_ours and not _platform.is_child_subreaper():
             # Orphans of a worker that died come to us (and are reaped by the supervisor)
             # instead of to PID 1, which in many containers never reaps them.
             _subreaper_ours = _platform.set_child_subreaper(True)
+
+
+def install_exit_hook() -> None:
+    """Register the exit hook (once): close every open env, then stop the fork server."""
+    global _atexit_installed
+    with _lock:
+        if not _atexit_installed:
+            atexit.register(_at_exit)
+            _atexit_installed = True
 
 
 def unregister(env: _Closable) -> None:
@@ -134,6 +141,9 @@ def close_all(reason: str) -> None:
 
 def _at_exit() -> None:
     close_all("interpreter exit")
+    from . import _forkserver  # once every env is closed: its workers are gone
+
+    _forkserver.stop()
 
 
 # --------------------------------------------------------------------------- signals

@@ -56,14 +56,19 @@ def _metadata_main(conn: Any, payload: bytes, config: WorkerConfig, num_threads:
         exit_now(0)
 
 
-def _compute(
-    read: Callable[..., Any], context: tuple[str, Tag, str], fn: Any, kwargs: Any = None, **extra: Any
-) -> Any:
+#: What a managed env's construction passes down: start method name or context, tag, label,
+#: the workers' default start method for their children.
+_Context = tuple[Any, Tag, str, "str | None"]
+
+
+def _compute(read: Callable[..., Any], context: _Context, fn: Any, kwargs: Any = None, **extra: Any) -> Any:
     """``read(fn, kwargs, **extra)`` (TorchRL's ``get_env_metadata``) in a supervised child."""
-    start_method, tag, label = context
+    start, tag, label, child_start_method = context
     if isinstance(fn, EnvBase | EnvCreator):  # nothing to build, or already built by EnvCreator
         return read(fn, kwargs, **extra)
-    ctx: Any = multiprocessing.get_context(start_method)
+    # A start method's name, or the preloaded server's context (see _forkserver).
+    ctx: Any = multiprocessing.get_context(start) if isinstance(start, str) else start
+    start_method = ctx.get_start_method()
     me = psutil.Process()
     fifo = _reaper_client.acquire()
     config = WorkerConfig(
@@ -75,6 +80,7 @@ def _compute(
         owner_create_time=me.create_time(),
         report_path="",
         reaper_fifo=fifo,
+        child_start_method=child_start_method,
     )
     # The factory sees the main process's thread count, as upstream (which builds this env in
     # the main process) shows it. Not under fork: a forked child cannot use the OpenMP threads
@@ -154,11 +160,14 @@ _PATCH = get_env_metadata_patch(_routed)
 
 
 @contextlib.contextmanager
-def metadata_in_subprocess(start_method: str, tag: Tag, label: str) -> Iterator[None]:
+def metadata_in_subprocess(
+    start: Any, tag: Tag, label: str, child_start_method: str | None = None
+) -> Iterator[None]:
     """While active, ``ParallelEnv`` constructed by this thread reads env specs through a
-    supervised child (:func:`_compute`), with whatever ``get_env_metadata`` was current."""
-    stack: list[tuple[str, Tag, str]] = _context.__dict__.setdefault("stack", [])
-    stack.append((start_method, tag, label))
+    supervised child (:func:`_compute`), with whatever ``get_env_metadata`` was current.
+    ``start``: a start method's name or a context (the preloaded server's)."""
+    stack: list[_Context] = _context.__dict__.setdefault("stack", [])
+    stack.append((start, tag, label, child_start_method))
     try:
         with _PATCH.active():
             yield

@@ -52,6 +52,9 @@ class WorkerConfig:
     report_path: str
     reaper_fifo: str | None
     done_fifo: str | None = None
+    #: Default start method inside the worker (what a DataLoader built there without a
+    #: ``multiprocessing_context`` uses); ``None`` leaves the inherited one.
+    child_start_method: str | None = None
 
 
 class _CommandRecorder:
@@ -122,6 +125,8 @@ def prepare_process(config: WorkerConfig) -> None:
     if config.reaper_fifo:
         me = psutil.Process()
         _reaper_client.notify_watch(config.reaper_fifo, me.pid, me.create_time(), os.getpgrp())
+    if config.child_start_method is not None:
+        multiprocessing.set_start_method(config.child_start_method, force=True)
     current = multiprocessing.current_process()
     if config.daemon_workers:
         base = multiprocessing.process.BaseProcess
