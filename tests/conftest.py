@@ -31,6 +31,14 @@ SESSION = os.environ[SESSION_VAR]
 _PERSISTENT_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker", "resource_tracker")
 
 START_METHODS = ["fork", "forkserver", "spawn"]
+#: The three start methods and the default path: forks of the preloaded server (no
+#: ``mp_start_method``; see torchrl_ext/_forkserver.py).
+WORKER_STARTS = [*START_METHODS, "preloaded"]
+
+
+def start_kwargs(method: str) -> dict[str, Any]:
+    """``ManagedParallelEnv`` kwargs that start workers by ``method`` (one of WORKER_STARTS)."""
+    return {} if method == "preloaded" else {"mp_start_method": method}
 
 
 def _key(proc: psutil.Process) -> tuple[int, float] | None:
@@ -41,11 +49,32 @@ def _key(proc: psutil.Process) -> tuple[int, float] | None:
 
 
 def _is_helper(proc: psutil.Process) -> bool:
+    """multiprocessing's own helpers and our preloaded fork server, which live as long as
+    this process (the session fixture stops the server); never their children (a forked
+    child shows its server's command line)."""
+    from torchrl_ext import _forkserver
+
+    if _key(proc) is not None and _key(proc) == _forkserver.server_key():
+        return True
     try:
         cmd = " ".join(proc.cmdline())
+        parent = proc.ppid()
     except psutil.Error:
         return False
-    return any(h in cmd for h in _PERSISTENT_HELPERS)
+    return parent == os.getpid() and any(h in cmd for h in _PERSISTENT_HELPERS)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def preloaded_server_ends() -> Iterator[None]:
+    """The preloaded fork server outlives single tests (it is started once per process, as
+    multiprocessing's own); at the end of the session it must stop and leave nothing."""
+    yield
+    from torchrl_ext import _forkserver
+
+    key = _forkserver.server_key()
+    _forkserver.stop()
+    if key is not None:
+        wait_until(lambda: not pid_alive(key[0]), "the preloaded fork server stopped", timeout=10)
 
 
 def _tagged_strangers(before: set[tuple[int, float]]) -> list[psutil.Process]:
@@ -230,9 +259,13 @@ class Scenario:
         linger: float = 10.0,
         module: str = "tests.scenarios",
         env_vars: dict[str, str] | None = None,
+        script: Path | None = None,
     ) -> None:
+        """Run ``python -m module NAME ...``, or ``python script NAME ...`` (a ``__main__``
+        with a path, as a user's program)."""
         env = dict(os.environ, **(env_vars or {}))
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        program = [str(script)] if script is not None else ["-m", module]
         cmd = [
             sys.executable,
             str(ROOT / "tests" / "harness.py"),
@@ -240,8 +273,7 @@ class Scenario:
             str(linger),
             "--",
             sys.executable,
-            "-m",
-            module,
+            *program,
             name,
             "--ready",
             str(self.ready_file),

@@ -243,3 +243,31 @@ def _parent_death_signal() -> int:
 
 def make_env(**kwargs: Any) -> ToyEnv:
     return ToyEnv(**kwargs)
+
+
+#: How the probe env encodes a worker's default start method in its observation.
+START_METHOD_CODES = {"fork": 1.0, "spawn": 2.0, "forkserver": 3.0}
+
+
+class RandomProbeEnv(ToyEnv):
+    """Reports, in its first reset's observation, the worker's unseeded random draws and its
+    default start method: ``[torch.rand(), numpy.random.rand(), random.random(), code]``
+    (``code`` from :data:`START_METHOD_CODES`; 0 if CUDA was initialised)."""
+
+    def _reset(self, tensordict: TensorDict | None = None, **kwargs: Any) -> TensorDict:
+        import multiprocessing
+        import random
+
+        import numpy
+
+        out = super()._reset(tensordict, **kwargs)
+        code = START_METHOD_CODES.get(multiprocessing.get_start_method(allow_none=True) or "", -1.0)
+        if torch.cuda.is_initialized():
+            code = 0.0
+        draws = [torch.rand(()).item(), float(numpy.random.rand()), random.random(), code]
+        out["observation"] = torch.tensor(draws)
+        return out
+
+
+def make_probe_env(**kwargs: Any) -> RandomProbeEnv:
+    return RandomProbeEnv(**kwargs)

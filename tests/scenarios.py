@@ -44,7 +44,7 @@ def _build(args: argparse.Namespace) -> ManagedParallelEnv:
         args.workers,
         fn,
         daemon_workers=False,
-        mp_start_method=args.method,
+        mp_start_method=None if args.method == "preloaded" else args.method,
         shutdown_timeout=args.shutdown_timeout,
     )
 
@@ -86,6 +86,7 @@ def main() -> int:
         "--hang-loader-start", action="store_true", help="DataLoader workers never finish starting"
     )
     parser.add_argument("--exit-with-parent", choices=("on", "off"), default="on")
+    parser.add_argument("--preload", default=None, help="a module the preloaded fork server imports")
     args = parser.parse_args()
     # As in a program started from a terminal, whatever started the test run (nohup, a shell's
     # background job ignores SIGINT): the signal scenarios send these.
@@ -101,6 +102,16 @@ def main() -> int:
             sys.exit(7)
 
         signal.signal(signal.SIGTERM, handler)
+
+    if args.name == "preload_error":
+        from torchrl_ext import PreloadError
+
+        try:
+            ManagedParallelEnv(1, functools.partial(make_env), daemon_workers=False, preload=[args.preload])
+        except PreloadError as err:
+            _ready(args.ready, error=str(err), module=err.name)
+            return 0
+        return 1
 
     if args.name == "kill_during_start":
         _ready(args.ready, phase="starting")

@@ -48,6 +48,8 @@ def _assert_nothing_leaked(result: object) -> None:
         pytest.param("sys_exit", 3, None, "fork", marks=COMPAT),
         # TorchRL's default start method too (a child interpreter per case: one case only).
         ("exit_without_close", 0, None, "spawn"),
+        # The default path: the exit hook closes the env, then stops the preloaded server.
+        ("exit_without_close", 0, None, "preloaded"),
     ],
 )
 def test_interpreter_exit_closes_open_envs(
@@ -110,6 +112,7 @@ def test_user_sigterm_handler_still_called(scenario: Scenario) -> None:
         pytest.param("fork", "sleep", marks=COMPAT),
         ("forkserver", "sleep"),
         ("spawn", "sleep"),
+        ("preloaded", "sleep"),
         ("fork", "gil"),
         ("fork", "portable"),
     ],
@@ -181,7 +184,8 @@ def test_direct_children_killed_then_main_exits_leaves_nothing(scenario: Scenari
 
 
 @pytest.mark.compat
-def test_sigkill_of_main_while_dataloaders_start(scenario: Scenario, tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["fork", "preloaded"])
+def test_sigkill_of_main_while_dataloaders_start(scenario: Scenario, tmp_path: Path, method: str) -> None:
     """The main process is SIGKILLed in the middle of the workers' first reset: each worker has
     started its simulator and built its DataLoader iterator, whose 2 workers are inside their
     ``worker_init_fn`` (which never returns), so no batch has been delivered. Those DataLoader
@@ -191,7 +195,7 @@ def test_sigkill_of_main_while_dataloaders_start(scenario: Scenario, tmp_path: P
     scenario.start(
         "kill_during_start",
         "--method",
-        "fork",
+        method,
         "--subprocess",
         "setsid",
         "--hang-loader-start",

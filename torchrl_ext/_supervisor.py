@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
+import multiprocessing.popen_forkserver
 import os
 import shutil
 import signal
@@ -405,6 +406,16 @@ class WorkerSupervisor:
         shutil.rmtree(self.report_dir, ignore_errors=True)
 
 
+def _reap_if_orphaned(worker: _Worker) -> None:
+    """A fork-server child whose server died is re-parented to us (the subreaper) and nobody
+    else will collect it; a child we started ourselves is left to multiprocessing."""
+    popen = getattr(worker.process, "_popen", None)
+    if isinstance(popen, multiprocessing.popen_forkserver.Popen):
+        proc = _identity.same_process(worker.pid, worker.create_time)
+        if proc is not None:
+            _identity.reap_if_child([proc])
+
+
 def _exitcode(worker: _Worker, wait: float = 1.0) -> int | None:
     """The worker's exit code, polled for up to ``wait`` seconds.
 
@@ -413,13 +424,16 @@ def _exitcode(worker: _Worker, wait: float = 1.0) -> int | None:
     """
     deadline = time.monotonic() + wait
     while True:
-        try:
-            code = worker.process.exitcode
-        except (ValueError, AssertionError):  # Process.close() was called
-            return worker.exitcode
-        if code is None and worker.pidfd is not None:
-            code = _platform.peek_exit_status(worker.pidfd)
+        # The kernel's status first, where we can read it without collecting it: a fork-server
+        # child re-parented to us after its server died reports 255 through multiprocessing.
+        code = None if worker.pidfd is None else _platform.peek_exit_status(worker.pidfd)
+        if code is None:
+            try:
+                code = worker.process.exitcode
+            except (ValueError, AssertionError):  # Process.close() was called
+                return worker.exitcode
         if code is not None:
+            _reap_if_orphaned(worker)
             return int(code)
         if time.monotonic() >= deadline:
             return worker.exitcode

@@ -1,0 +1,146 @@
+"""The preloaded fork server, the default path (NOTE [preloaded fork server] in
+``torchrl_ext/_forkserver.py``): what spawn gave for free stays true, the server is supervised
+and replaced, a broken preload is named, and ``__main__`` factories work."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from tests.conftest import Scenario, pid_alive, start_kwargs
+from tests.envs import START_METHOD_CODES, make_env, make_probe_env
+from tests.polling import wait_until
+from torchrl_ext import ManagedParallelEnv, WorkerDiedError, _forkserver
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _first_observations(env: ManagedParallelEnv) -> torch.Tensor:
+    try:
+        return env.reset()["observation"]
+    finally:
+        env.close(raise_if_closed=False)
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("method", ["preloaded", pytest.param("spawn", marks=pytest.mark.compat)])
+def test_unseeded_workers_draw_distinct_random_streams(method: str) -> None:
+    """As under spawn: torch, numpy and ``random`` draw differently in every worker, and in the
+    workers of a second env forked from the same server; CUDA is never initialised."""
+    probe = functools.partial(make_probe_env)
+    env = ManagedParallelEnv(3, probe, daemon_workers=False, **start_kwargs(method))
+    assert env.start_method == method
+    rows = [_first_observations(env)]
+    if method == "preloaded":
+        again = ManagedParallelEnv(3, probe, daemon_workers=False)
+        rows.append(_first_observations(again))
+    draws = torch.cat(rows)
+    for column, source in enumerate(("torch", "numpy", "random")):
+        values = draws[:, column].tolist()
+        assert len(set(values)) == len(values), f"{source} draws repeat across workers: {values}"
+    # What a DataLoader built in the worker would use: fork from the preloaded server (no
+    # torch import per DataLoader worker), TorchRL's global spawn otherwise.
+    expected = START_METHOD_CODES["fork" if method == "preloaded" else "spawn"]
+    assert draws[:, 3].tolist() == [expected] * len(draws), "0 would mean CUDA was initialised"
+
+
+def test_child_start_method_overrides_the_workers_default() -> None:
+    probe = functools.partial(make_probe_env)
+    env = ManagedParallelEnv(1, probe, daemon_workers=False, child_start_method="spawn")
+    assert _first_observations(env)[0, 3].item() == START_METHOD_CODES["spawn"]
+    with pytest.raises(ValueError, match="child_start_method='thread'"):
+        ManagedParallelEnv(1, functools.partial(make_env), daemon_workers=False, child_start_method="thread")
+
+
+def test_explicit_choices_win_over_the_server() -> None:
+    """An explicit start method, ``preload=False`` or daemonic workers: no server involved."""
+    fn = functools.partial(make_env)
+    for kwargs in ({"mp_start_method": "fork"}, {"preload": False}, {"daemon_workers": True}):
+        env = ManagedParallelEnv(1, fn, **({"daemon_workers": False} | kwargs))  # type: ignore[arg-type]
+        assert env.start_method != "preloaded", kwargs
+        assert env._mp_start_method == kwargs.get("mp_start_method")
+
+
+def test_server_is_tagged_grouped_and_shared() -> None:
+    fn = functools.partial(make_env)
+    env = ManagedParallelEnv(2, fn, daemon_workers=False)
+    other = ManagedParallelEnv(1, fn, daemon_workers=False)
+    try:
+        env.reset()
+        other.reset()
+        key = _forkserver.server_key()
+        assert key is not None
+        server = psutil.Process(key[0])
+        tag = server.environ()["TORCHRL_EXT_OWNER"]
+        assert tag.startswith(f"{os.getpid()}:") and tag.endswith(".forkserver"), tag
+        assert os.getpgid(server.pid) == server.pid, "the server leads its own process group"
+        assert server.ppid() == os.getpid()
+        for pid in env.worker_pids + other.worker_pids:
+            assert psutil.Process(pid).ppid() == server.pid, "every worker is a fork of the one server"
+        assert env._mp_start_method is None, "TorchRL's attribute stays as the user left it"
+    finally:
+        env.close(raise_if_closed=False)
+        other.close(raise_if_closed=False)
+
+
+def test_dead_server_is_replaced_and_its_workers_reported(caplog: pytest.LogCaptureFixture) -> None:
+    fn = functools.partial(make_env)
+    env = ManagedParallelEnv(2, fn, daemon_workers=False, shutdown_timeout=5.0)
+    try:
+        env.reset()
+        key = _forkserver.server_key()
+        assert key is not None
+        os.kill(key[0], signal.SIGKILL)  # its workers die with it (parent-death signal)
+        wait_until(lambda: not any(pid_alive(p) for p in env.worker_pids), "the workers died with the server")
+        with pytest.raises(WorkerDiedError):
+            env.rollout(3)
+    finally:
+        env.close(raise_if_closed=False)
+    caplog.set_level(logging.WARNING, logger="torchrl_ext")
+    again = ManagedParallelEnv(1, fn, daemon_workers=False)
+    try:
+        assert again.reset()["observation"].shape == (1, 4)
+    finally:
+        again.close()
+    replacement = _forkserver.server_key()
+    assert replacement is not None and replacement != key
+    assert any("fork server" in r.getMessage() and "exited" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("module", "says"),
+    [("tests.no_such_module", "No module named 'tests.no_such_module'"), ("tests.preload_raises", "refuses")],
+)
+def test_broken_preload_names_the_module(scenario: Scenario, module: str, says: str) -> None:
+    scenario.start("preload_error", "--preload", module, linger=5.0)
+    ready = scenario.wait_ready(timeout=180)
+    result = scenario.finish()
+    assert result.returncode == 0, result.stderr
+    assert not result.leaked
+    assert ready["module"] == module
+    assert f"could not import {module!r}" in ready["error"] and says in ready["error"], ready["error"]
+    assert "mp_start_method='spawn'" in ready["error"], "the error says how to go without the server"
+
+
+def test_main_defined_factories_work_and_exit_is_quiet(scenario: Scenario) -> None:
+    """A function and a lambda defined in a script's ``__main__``, one env holding persistent
+    DataLoader workers, the other building a DataLoader per reset; the second env is left
+    open. Everything ends at exit, gracefully and without a resource_tracker warning."""
+    scenario.start("run", script=ROOT / "tests" / "main_factory_script.py", linger=5.0)
+    ready = scenario.wait_ready(timeout=180)
+    result = scenario.finish()
+    assert result.returncode == 0, result.stderr
+    assert ready["function"] == {"start_method": "preloaded", "steps": 3}
+    assert ready["lambda"] == {"start_method": "preloaded", "steps": 3}
+    assert ready["report"] == ["graceful", "graceful"]
+    assert "resource_tracker" not in result.stderr and "leaked" not in result.stderr, result.stderr
+    assert not result.leaked
+    others = [s for s in result.survivors if "multiprocessing.resource_tracker" not in s["cmdline"]]
+    assert not others, "the exit hook closed the env and stopped the fork server"
