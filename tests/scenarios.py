@@ -107,7 +107,9 @@ def main() -> int:
         from torchrl_ext import PreloadError
 
         try:
-            ManagedParallelEnv(1, functools.partial(make_env), daemon_workers=False, preload=[args.preload])
+            start = {} if args.method == "preloaded" else {"mp_start_method": args.method}
+            fn = functools.partial(make_env)
+            ManagedParallelEnv(1, fn, daemon_workers=False, preload=[args.preload], **start)
         except PreloadError as err:
             _ready(args.ready, error=str(err), module=err.name)
             return 0

@@ -247,8 +247,8 @@ class CitedTest:
     methods: frozenset[str]  # start methods among its parameters or quoted in its source
 
 
-_METHOD = re.compile(r"\b(forkserver|fork|spawn)\b")
-_QUOTED_METHOD = re.compile(r"""["'](forkserver|fork|spawn)["']""")
+_METHOD = re.compile(r"\b(forkserver|fork|spawn|preloaded)\b")
+_QUOTED_METHOD = re.compile(r"""["'](forkserver|fork|spawn|preloaded)["']""")
 _CITED = re.compile(r"`((?:\w+/)*test_\w+\.py)::(test_\w+)`")
 
 # Run by the test below in a fresh interpreter: collect the given files and print, for each
@@ -400,7 +400,8 @@ def test_documented_shutdown_order_matches_the_constants() -> None:
 
     close_pct = round(100 * _lifecycle.CLOSE_MESSAGE_SHARE)
     term_pct = round(100 * _lifecycle.SIGTERM_SHARE)
-    allowed = {close_pct, term_pct, 100}
+    kill_pct = round(100 * _lifecycle.SIGKILL_SHARE)
+    allowed = {close_pct, term_pct, kill_pct, 100}
     sources = {
         path.name: path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     }

@@ -54,6 +54,7 @@ def test_unseeded_workers_draw_distinct_random_streams(method: str) -> None:
 def test_child_start_method_overrides_the_workers_default() -> None:
     probe = functools.partial(make_probe_env)
     env = ManagedParallelEnv(1, probe, daemon_workers=False, child_start_method="spawn")
+    assert env.start_method == "preloaded"
     assert _first_observations(env)[0, 3].item() == START_METHOD_CODES["spawn"]
     with pytest.raises(ValueError, match="child_start_method='thread'"):
         ManagedParallelEnv(1, functools.partial(make_env), daemon_workers=False, child_start_method="thread")
@@ -72,6 +73,7 @@ def test_server_is_tagged_grouped_and_shared() -> None:
     fn = functools.partial(make_env)
     env = ManagedParallelEnv(2, fn, daemon_workers=False)
     other = ManagedParallelEnv(1, fn, daemon_workers=False)
+    assert env.start_method == other.start_method == "preloaded"
     try:
         env.reset()
         other.reset()
@@ -93,6 +95,7 @@ def test_server_is_tagged_grouped_and_shared() -> None:
 def test_dead_server_is_replaced_and_its_workers_reported(caplog: pytest.LogCaptureFixture) -> None:
     fn = functools.partial(make_env)
     env = ManagedParallelEnv(2, fn, daemon_workers=False, shutdown_timeout=5.0)
+    assert env.start_method == "preloaded"
     try:
         env.reset()
         key = _forkserver.server_key()
@@ -119,7 +122,7 @@ def test_dead_server_is_replaced_and_its_workers_reported(caplog: pytest.LogCapt
     [("tests.no_such_module", "No module named 'tests.no_such_module'"), ("tests.preload_raises", "refuses")],
 )
 def test_broken_preload_names_the_module(scenario: Scenario, module: str, says: str) -> None:
-    scenario.start("preload_error", "--preload", module, linger=5.0)
+    scenario.start("preload_error", "--method", "preloaded", "--preload", module, linger=5.0)
     ready = scenario.wait_ready(timeout=180)
     result = scenario.finish()
     assert result.returncode == 0, result.stderr

@@ -23,11 +23,12 @@ if os.name != "posix":  # before anything imports POSIX-only names (signal.SIGKI
 import logging
 
 # First: it records the global start method before TorchRL's import sets one.
-from ._forkserver import PreloadError  # isort: skip
+from . import _forkserver  # noqa: F401  # isort: skip
 from ._env import ManagedParallelEnv
 from ._errors import (
     DaemonicParentError,
     DaemonicWorkerError,
+    PreloadError,
     RemoteTraceback,
     WorkerDiedError,
     WorkerEnvError,

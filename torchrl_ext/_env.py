@@ -420,29 +420,37 @@ class ManagedParallelEnv(ParallelEnv):
         return failure
 
     # ------------------------------------------------------------------ failures
-    @contextlib.contextmanager
-    def _supervised(self) -> Iterator[None]:
-        state: _ManagedState = self.__dict__["_trx"]
-        supervisor = state.supervisor
-        # Hot path: no system call. A death the watcher thread has not handled yet surfaces
-        # through TorchRL's own wait loop, which lands in _shutdown_workers below.
+    def _check_failed(self) -> WorkerSupervisor | None:
+        """Hot path, before each call: raise a death the supervisor already handled; no system
+        call. A death not handled yet surfaces through TorchRL's own wait loop, which lands in
+        _shutdown_workers below."""
+        supervisor: WorkerSupervisor | None = self.__dict__["_trx"].supervisor
         if supervisor is not None and supervisor.first_failure is not None:
             _raise_failure(supervisor.first_failure)
+        return supervisor
+
+    def _translate(self, err: Exception, supervisor: WorkerSupervisor | None) -> None:
+        """``err`` escaped TorchRL: raise the worker's failure instead if a worker is gone
+        (decided by the supervisor's facts, never by the message); else return."""
+        supervisor = self.__dict__["_trx"].supervisor or supervisor
+        if supervisor is None:
+            return
+        found = supervisor.first_failure
+        if found is None:
+            # A closed pipe is seen a moment before the death itself, so it gets a short wait.
+            lost_pipe = isinstance(err, EOFError | OSError)
+            found = supervisor.wait_for_failure(LOST_PIPE_WAIT if lost_pipe else 0.0)
+        if found is not None:
+            _raise_failure(found)
+
+    @contextlib.contextmanager
+    def _supervised(self) -> Iterator[None]:
+        supervisor = self._check_failed()
         try:
             yield
         except Exception as err:
-            supervisor = state.supervisor or supervisor
-            if supervisor is None:
-                raise
-            found = supervisor.first_failure
-            if found is None:
-                # Decided by the supervisor's facts, never by the message: is a worker gone? A
-                # closed pipe is seen a moment before the death itself, so it gets a short wait.
-                lost_pipe = isinstance(err, EOFError | OSError)
-                found = supervisor.wait_for_failure(LOST_PIPE_WAIT if lost_pipe else 0.0)
-            if found is None:
-                raise
-            _raise_failure(found)
+            self._translate(err, supervisor)
+            raise
 
     def _wait_for_workers(self, workers_range: Any) -> None:
         state: _ManagedState = self.__dict__["_trx"]
@@ -466,13 +474,22 @@ class ManagedParallelEnv(ParallelEnv):
         with self._supervised():
             return super()._reset(tensordict, **kwargs)
 
+    # The two per-step calls skip the context manager (a generator per step).
     def _step(self, tensordict: Any) -> Any:
-        with self._supervised():
+        supervisor = self._check_failed()
+        try:
             return super()._step(tensordict)
+        except Exception as err:
+            self._translate(err, supervisor)
+            raise
 
     def step_and_maybe_reset(self, tensordict: Any) -> Any:
-        with self._supervised():
+        supervisor = self._check_failed()
+        try:
             return super().step_and_maybe_reset(tensordict)
+        except Exception as err:
+            self._translate(err, supervisor)
+            raise
 
     def set_seed(self, seed: int | None = None, static_seed: bool = False) -> int | None:
         with self._supervised():

@@ -13,6 +13,7 @@ from ._platform import signal_name
 __all__ = [
     "DaemonicParentError",
     "DaemonicWorkerError",
+    "PreloadError",
     "RemoteTraceback",
     "WorkerDiedError",
     "WorkerEnvError",
@@ -179,3 +180,14 @@ class DaemonicParentError(RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.process_name,))
+
+
+class PreloadError(ImportError):
+    """The preloaded fork server could not import a module it was asked to preload (or did
+    not finish within ``_forkserver.PRELOAD_TIMEOUT``); ``name`` is the module when known.
+
+    Example:
+        >>> err = PreloadError("the preloaded fork server could not import 'mymod'", name="mymod")
+        >>> isinstance(err, ImportError), err.name
+        (True, 'mymod')
+    """

@@ -61,10 +61,10 @@ from typing import Any
 import psutil
 
 from . import _identity, _platform
+from ._errors import PreloadError, format_exitcode
 
 __all__ = [
     "BASE_PRELOAD",
-    "PreloadError",
     "context",
     "server_key",
     "start_method_chosen_by_user",
@@ -104,16 +104,6 @@ def start_method_chosen_by_user() -> bool:
     if current != "spawn":
         return True
     return _BEFORE_TORCHRL == "spawn"
-
-
-class PreloadError(ImportError):
-    """The preloaded fork server could not import a module it was asked to preload.
-
-    Example:
-        >>> from torchrl_ext import PreloadError
-        >>> issubclass(PreloadError, ImportError)
-        True
-    """
 
 
 # --------------------------------------------------------------------------- in the server
@@ -302,7 +292,7 @@ class _Server(multiprocessing.forkserver.ForkServer):
         code = proc.wait()
         raise PreloadError(
             f"the preloaded fork server (pid {proc.pid}) exited with code "
-            f"{_format_code(code)} before importing {modules}; its error is above on stderr. "
+            f"{format_exitcode(code)} before importing {modules}; its error is above on stderr. "
             "Pass mp_start_method='spawn' to start workers without it."
         )
 
@@ -342,12 +332,6 @@ class _Server(multiprocessing.forkserver.ForkServer):
     def _endpoint(self, address: Any, alive_fd: int | None, pid: int | None) -> None:
         """What the base class's ``connect_to_new_process`` uses."""
         self.__dict__.update(_forkserver_address=address, _forkserver_alive_fd=alive_fd, _forkserver_pid=pid)
-
-
-def _format_code(code: int) -> str:
-    from ._errors import format_exitcode
-
-    return format_exitcode(code)
 
 
 _SERVER = _Server()

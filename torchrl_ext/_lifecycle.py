@@ -24,8 +24,10 @@ shutdown, in this order:
 
 Inside the supervisor's shutdown, one deadline (``shutdown_timeout``) bounds: the "close"
 message (the workers have until ``CLOSE_MESSAGE_SHARE`` = 60 % of it to exit), SIGTERM to each
-remaining worker's process group (until ``SIGTERM_SHARE`` = 80 %), SIGKILL (until 100 %), then a
-sweep of every recorded descendant, group member and tagged process, then reaping by pid.
+remaining worker's process group (until ``SIGTERM_SHARE`` = 80 %), SIGKILL (until
+``SIGKILL_SHARE`` = 95 %), then, in what is left, a sweep of every recorded descendant, group
+member and tagged process and reaping by pid. No wait runs past the deadline: ``close()`` returns
+within ``shutdown_timeout`` plus the time of a few system calls.
 ``docs/design.md`` quotes these numbers; ``tests/test_docs.py`` checks every quote.
 """
 
@@ -53,6 +55,9 @@ CLOSE_MESSAGE_SHARE = 0.6
 #: NOTE [shutdown order]: share of ``shutdown_timeout`` by which SIGTERMed workers must have
 #: exited; SIGKILL follows, and the deadline itself ends the escalation.
 SIGTERM_SHARE = 0.8
+#: NOTE [shutdown order]: share of ``shutdown_timeout`` by which SIGKILLed workers must be gone;
+#: the sweep and reaping use the rest, and nothing waits past the deadline.
+SIGKILL_SHARE = 0.95
 
 __all__ = ["close_all", "live_envs", "multiprocessing_parent", "register", "unregister"]
 

@@ -27,7 +27,7 @@ import psutil
 from . import _identity, _platform, _reaper_client
 from ._done_signal import DoneSignal
 from ._errors import WorkerDiedError, format_exitcode
-from ._lifecycle import CLOSE_MESSAGE_SHARE, SIGTERM_SHARE
+from ._lifecycle import CLOSE_MESSAGE_SHARE, SIGKILL_SHARE, SIGTERM_SHARE
 from ._report import Outcome, SupervisionReport, WorkerOutcome
 from ._tag import Tag
 from ._wire import read_report, rebuild_exception
@@ -46,6 +46,9 @@ class _ParentChannel:
     def __init__(self, conn: Any) -> None:
         self._conn = conn
         self.last_command: str | None = None
+        # Bound once: read after every step (no __getattr__ on the hot path).
+        self.recv = conn.recv
+        self.poll = conn.poll
 
     def send(self, obj: Any) -> None:
         if isinstance(obj, tuple) and obj and isinstance(obj[0], str):
@@ -282,11 +285,16 @@ class WorkerSupervisor:
             self._closing = True
             workers = list(self._workers)
         # One deadline for everything, see NOTE [shutdown order] in _lifecycle: the close
-        # message, then SIGTERM, then SIGKILL until the deadline; the sweep and reaping use what
-        # is left (SIGKILLed processes die at once, so they take milliseconds).
+        # message, then SIGTERM, then SIGKILL; the sweep and reaping use what is left, and no
+        # wait runs past the deadline (SIGKILLed processes die at once: milliseconds).
         deadline = t0 + timeout
         graceful_until = t0 + CLOSE_MESSAGE_SHARE * timeout
         term_until = t0 + SIGTERM_SHARE * timeout
+        kill_until = t0 + SIGKILL_SHARE * timeout
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         outcome: dict[int, Outcome] = {}
         for worker in workers:
             if worker.finished or worker.exited():
@@ -302,7 +310,7 @@ class WorkerSupervisor:
                 outcome[worker.index] = "graceful"
         escalation: tuple[tuple[int, float, Outcome], ...] = (
             (signal.SIGTERM, term_until, "terminated"),
-            (signal.SIGKILL, deadline, "killed"),
+            (signal.SIGKILL, kill_until, "killed"),
         )
         for sig, until, name in escalation:
             pending = [w for w in workers if w.index not in outcome and not self._exited(w)]
@@ -321,7 +329,7 @@ class WorkerSupervisor:
                     _platform.signal_name(sig),
                 )
                 self._signal_worker(worker, sig)
-            self._wait_exit(pending, max(until, time.monotonic() + 0.05))
+            self._wait_exit(pending, min(deadline, max(until, time.monotonic() + 0.05)))
             for worker in pending:
                 if self._exited(worker):
                     outcome[worker.index] = name
@@ -329,18 +337,19 @@ class WorkerSupervisor:
         # A worker that had died before the close anchors its group only through a live process
         # of ours in it: its group id may have been recycled by a stranger since.
         leftovers = self._tree_of(workers, recent=[w for w in workers if outcome.get(w.index) != "died"])
-        grace = max(0.05, min(0.5, deadline - time.monotonic()))
-        swept_t, swept_k = _identity.kill_and_reap(leftovers, grace, what=f"{self.label} leftover")
+        grace = min(0.5, left() / 2)  # 0 once the deadline is near: SIGKILL at once
+        swept_t, swept_k = _identity.kill_and_reap(
+            leftovers, grace, what=f"{self.label} leftover", kill_wait=left()
+        )
         swept = len(swept_t) + len(swept_k)
         if swept:
             log.warning("%s: swept %d leftover process(es) after the workers exited", self.label, swept)
         for worker in workers:
-            remaining = max(0.05, deadline - time.monotonic())
             try:
-                worker.process.join(timeout=remaining)
+                worker.process.join(timeout=left())
             except (ValueError, AssertionError):
                 pass
-            worker.exitcode = _exitcode(worker, wait=min(remaining, 1.0))
+            worker.exitcode = _exitcode(worker, wait=min(left(), 1.0))
             worker.finished = True
             _reaper_client.send({"op": "unwatch", "pid": worker.pid})
         self.stop()
@@ -409,11 +418,9 @@ class WorkerSupervisor:
 def _reap_if_orphaned(worker: _Worker) -> None:
     """A fork-server child whose server died is re-parented to us (the subreaper) and nobody
     else will collect it; a child we started ourselves is left to multiprocessing."""
-    popen = getattr(worker.process, "_popen", None)
-    if isinstance(popen, multiprocessing.popen_forkserver.Popen):
-        proc = _identity.same_process(worker.pid, worker.create_time)
-        if proc is not None:
-            _identity.reap_if_child([proc])
+    proc = _identity.same_process(worker.pid, worker.create_time)
+    if proc is not None:
+        _identity.reap_if_child([proc])
 
 
 def _exitcode(worker: _Worker, wait: float = 1.0) -> int | None:
@@ -423,17 +430,20 @@ def _exitcode(worker: _Worker, wait: float = 1.0) -> int | None:
     tearing the process down, a moment before its status can be collected.
     """
     deadline = time.monotonic() + wait
+    orphan_prone = isinstance(getattr(worker.process, "_popen", None), multiprocessing.popen_forkserver.Popen)
     while True:
-        # The kernel's status first, where we can read it without collecting it: a fork-server
-        # child re-parented to us after its server died reports 255 through multiprocessing.
-        code = None if worker.pidfd is None else _platform.peek_exit_status(worker.pidfd)
-        if code is None:
-            try:
-                code = worker.process.exitcode
-            except (ValueError, AssertionError):  # Process.close() was called
-                return worker.exitcode
+        try:
+            code = worker.process.exitcode  # collects a child we started ourselves
+        except (ValueError, AssertionError):  # Process.close() was called
+            return worker.exitcode
+        if worker.pidfd is not None and (code is None or (code == 255 and orphan_prone)):
+            # The kernel's status, read without collecting it: a fork-server child re-parented
+            # to us after its server died reports 255 through multiprocessing.
+            peeked = _platform.peek_exit_status(worker.pidfd)
+            code = code if peeked is None else peeked
         if code is not None:
-            _reap_if_orphaned(worker)
+            if orphan_prone:
+                _reap_if_orphaned(worker)
             return int(code)
         if time.monotonic() >= deadline:
             return worker.exitcode

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from . import _forkserver
 from ._identity import alive, descendants, key_of, kill_and_reap, running
 from ._reaper import REGISTRY_NAME, Registry, load_registry
 from ._tag import Tag, read_tag
@@ -141,13 +142,15 @@ def leftover_processes(owner_pid: int | None = None) -> list[psutil.Process]:
         []
     """
     owner = os.getpid() if owner_pid is None else owner_pid
-    out = [t.process for t in _tagged() if t.tag.owner_pid == owner]
+    # This process's preloaded fork server lives as long as it does, as multiprocessing's own.
+    server = _forkserver.server_key() if owner == os.getpid() else None
+    out = [t.process for t in _tagged() if t.tag.owner_pid == owner and key_of(t.process) != server]
     for child in descendants(owner):
         try:
             cmd = " ".join(child.cmdline())
         except psutil.Error:
             continue
-        if not alive(child):
+        if not alive(child) or key_of(child) == server:
             continue
         if "multiprocessing.forkserver" in cmd or "resource_tracker" in cmd or "_reaper.py" in cmd:
             continue

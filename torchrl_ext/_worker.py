@@ -64,6 +64,9 @@ class _CommandRecorder:
         self._conn = conn
         self.last_command: str | None = None
         self.saw_eof = False
+        # Bound once: the worker loop polls before every command (no __getattr__ per step).
+        self.poll = conn.poll
+        self.send = conn.send
 
     def recv(self) -> Any:
         try:
