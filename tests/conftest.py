@@ -64,6 +64,15 @@ def _is_helper(proc: psutil.Process) -> bool:
     return parent == os.getpid() and any(h in cmd for h in _PERSISTENT_HELPERS)
 
 
+@pytest.fixture(autouse=True)
+def reaper_stops_at_last_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reaper normally lingers 2 s after the last env closed (so that the next env reuses
+    it); the leak fixture would wait that out after every test. Its own test sets it back."""
+    from torchrl_ext import _reaper_client
+
+    monkeypatch.setattr(_reaper_client, "LINGER", 0.0)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def preloaded_server_ends() -> Iterator[None]:
     """The preloaded fork server outlives single tests (it is started once per process, as

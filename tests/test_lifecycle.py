@@ -124,3 +124,23 @@ def test_subreaper_only_while_envs_are_open() -> None:
         assert orphan.ppid() != os.getpid(), "an unrelated orphan was adopted after the last close"
     finally:
         orphan.kill()
+
+
+def test_reaper_lingers_for_the_next_env_then_stops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An env built right after another closed reuses the reaper (no new process); once no env
+    is open it stops after the linger, or at once at exit."""
+    from torchrl_ext import _reaper_client
+
+    monkeypatch.setattr(_reaper_client, "LINGER", 60.0)  # longer than the test: only reuse counts
+    fn = functools.partial(make_env)
+    first = ManagedParallelEnv(1, fn, daemon_workers=False, mp_start_method="fork")
+    first.reset()
+    first.close()
+    handle = _reaper_client._handle
+    assert handle is not None and handle.proc.poll() is None, "lingering after the last close"
+    second = ManagedParallelEnv(1, fn, daemon_workers=False, mp_start_method="fork")
+    second.reset()
+    assert _reaper_client._handle is handle, "the next env reuses it"
+    second.close()
+    _reaper_client.stop_now()  # what the exit hook does
+    assert _reaper_client._handle is None and handle.proc.poll() is not None

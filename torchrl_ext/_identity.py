@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterable, Mapping
 
@@ -62,6 +63,11 @@ BIRTH_SLACK = 0.01
 ZOMBIE_WAIT = 1.0
 #: Poll interval of that wait (seconds).
 REAP_POLL = 0.005
+#: How long :func:`reap_later` keeps collecting, in the background, processes that a bounded
+#: wait left behind (they die, and become our zombie children, after the deadline).
+LATE_REAP_WINDOW = 30.0
+#: Poll interval of :func:`reap_later` (seconds).
+LATE_REAP_POLL = 0.1
 
 ProcessKey = tuple[int, float]
 #: A recorded worker: pid -> (create time, process group id).
@@ -277,6 +283,27 @@ def reap_if_child(procs: Iterable[psutil.Process], wait: float = 0.0) -> None:
             return
         pending = left
         time.sleep(REAP_POLL)
+
+
+def reap_later(procs: Iterable[psutil.Process], window: float = LATE_REAP_WINDOW) -> None:
+    """Collect, from a daemon thread, those of ``procs`` that become our zombie children within
+    ``window`` seconds: what a deadline-bounded close could not wait for (a DataLoader worker
+    of a SIGTERMed worker, re-parented to this subreaper, that dies a moment later). A process
+    is only collected while it still is the one recorded (pid and create time)."""
+    pending = [proc for proc in unique(procs) if key_of(proc) is not None]
+    if not pending:
+        return
+
+    def collect() -> None:
+        left = pending
+        deadline = time.monotonic() + window
+        while left and time.monotonic() < deadline:
+            same = [proc for proc in left if proc.is_running()]  # is_running checks the create time
+            reap_if_child([proc for proc in same if _zombie(proc.pid)])
+            left = [proc for proc in same if proc.is_running()]
+            time.sleep(LATE_REAP_POLL)
+
+    threading.Thread(target=collect, name="torchrl_ext-late-reaper", daemon=True).start()
 
 
 def _zombie(pid: int) -> bool:

@@ -146,9 +146,10 @@ def close_all(reason: str) -> None:
 
 def _at_exit() -> None:
     close_all("interpreter exit")
-    from . import _forkserver  # once every env is closed: its workers are gone
+    from . import _forkserver, _reaper_client  # once every env is closed: its workers are gone
 
     _forkserver.stop()
+    _reaper_client.stop_now()
 
 
 # --------------------------------------------------------------------------- signals

@@ -29,6 +29,10 @@ __all__ = ["acquire", "notify_watch", "release", "send"]
 log = logging.getLogger("torchrl_ext")
 
 _REAPER_SCRIPT = Path(__file__).with_name("_reaper.py")
+#: Seconds the reaper outlives the last release: an env built right after another closed (or
+#: the spec-reading process, then the workers, of one env) reuses it instead of starting a new
+#: one (tens of milliseconds each).
+LINGER = 2.0
 _lock = threading.RLock()
 
 
@@ -80,11 +84,12 @@ class _ReaperHandle:
 
 _handle: _ReaperHandle | None = None
 _users = 0
+_linger: threading.Timer | None = None
 
 
 def _forget_in_child() -> None:
     """A forked child must not talk to, or stop, its parent's reaper."""
-    global _handle, _users
+    global _handle, _users, _linger
     if _handle is not None:
         try:
             os.close(_handle.fd)
@@ -92,6 +97,7 @@ def _forget_in_child() -> None:
             pass
     _handle = None
     _users = 0
+    _linger = None
 
 
 if hasattr(os, "register_at_fork"):
@@ -100,8 +106,11 @@ if hasattr(os, "register_at_fork"):
 
 def acquire() -> str:
     """Start the reaper if needed; returns the FIFO path workers report to."""
-    global _handle, _users
+    global _handle, _users, _linger
     with _lock:
+        if _linger is not None:
+            _linger.cancel()
+            _linger = None
         if _handle is None or _handle.proc.poll() is not None:
             if _handle is not None:
                 log.warning(
@@ -114,15 +123,44 @@ def acquire() -> str:
 
 
 def release() -> None:
-    """Drop one user; the last one stops the reaper."""
-    global _handle, _users
+    """Drop one user; the reaper stops ``LINGER`` seconds after the last one, unless a new
+    user came meanwhile."""
+    global _users, _linger
     with _lock:
         if _handle is None:
             return
         _users -= 1
         if _users <= 0:
-            handle, _handle, _users = _handle, None, 0
-            handle.stop()
+            _users = 0
+            if _linger is not None:
+                _linger.cancel()
+                _linger = None
+            if LINGER <= 0:
+                _stop_if_unused()
+                return
+            _linger = threading.Timer(LINGER, _stop_if_unused)
+            _linger.daemon = True
+            _linger.name = "torchrl_ext-reaper-linger"
+            _linger.start()
+
+
+def _stop_if_unused() -> None:
+    global _handle, _linger
+    with _lock:
+        if _users > 0 or _handle is None:
+            return
+        handle, _handle, _linger = _handle, None, None
+        handle.stop()
+
+
+def stop_now() -> None:
+    """Stop an unused reaper at once (interpreter exit, after every env is closed)."""
+    global _linger
+    with _lock:
+        if _linger is not None:
+            _linger.cancel()
+            _linger = None
+    _stop_if_unused()
 
 
 def send(message: dict[str, object]) -> None:

@@ -342,6 +342,8 @@ class WorkerSupervisor:
             leftovers, grace, what=f"{self.label} leftover", kill_wait=left()
         )
         swept = len(swept_t) + len(swept_k)
+        # Whatever dies after the deadline (re-parented to us) is still collected, in the background.
+        _identity.reap_later(leftovers)
         if swept:
             log.warning("%s: swept %d leftover process(es) after the workers exited", self.label, swept)
         for worker in workers:
