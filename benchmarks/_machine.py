@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +88,17 @@ def run_script_child(
         return None, f"exit code {proc.returncode}: {tail}"
     result: dict[str, Any] = json.loads(out_path.read_text())
     return result, None
+
+
+def interleaved(
+    repeats: int, groups: Sequence[str], counts: Sequence[int], configs: Sequence[str]
+) -> Iterator[tuple[int, str, int, str]]:
+    """``(repeat, group, count, config)`` for every cell, each repeat in full before the next,
+    the configs rotated by one per repeat: the configurations compared by a ratio run side by
+    side in time, and none always runs first."""
+    for repeat in range(repeats):
+        for group in groups:
+            for count in counts:
+                shift = repeat % len(configs)
+                for config in [*configs[shift:], *configs[:shift]]:
+                    yield repeat, group, count, config

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from _machine import is_helper, run_script_child, system_busy, wait_for_quiet
+from _machine import interleaved, is_helper, run_script_child, system_busy, wait_for_quiet
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -669,12 +669,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _schedule(args: argparse.Namespace) -> Iterator[tuple[int, str, int, str]]:
-    for repeat in range(args.repeats):
-        for profile in args.profiles:
-            for n in args.envs:
-                shift = repeat % len(args.configs)
-                for config in args.configs[shift:] + args.configs[:shift]:
-                    yield repeat, profile, n, config
+    return interleaved(args.repeats, args.profiles, args.envs, args.configs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

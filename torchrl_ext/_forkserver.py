@@ -172,7 +172,14 @@ def serve(
     os.register_at_fork(after_in_child=_fresh_random_state)
     os.write(status_w, b'{"ok": true}')
     os.close(status_w)
-    multiprocessing.forkserver.main(listener_fd, alive_r, [])
+    try:
+        multiprocessing.forkserver.main(listener_fd, alive_r, [])
+    finally:
+        # Its owner let go (the "alive" pipe reached EOF): leave without the interpreter's
+        # teardown, which takes seconds with torch loaded; nothing here needs finalizing.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 # --------------------------------------------------------------------------- in the owner
