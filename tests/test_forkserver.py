@@ -136,7 +136,7 @@ def test_main_defined_factories_work_and_exit_is_quiet(scenario: Scenario) -> No
     """A function and a lambda defined in a script's ``__main__``, one env holding persistent
     DataLoader workers, the other building a DataLoader per reset; the second env is left
     open. Everything ends at exit, gracefully and without a resource_tracker warning."""
-    scenario.start("run", script=ROOT / "tests" / "main_factory_script.py", linger=5.0)
+    scenario.start("preloaded", script=ROOT / "tests" / "main_factory_script.py", linger=5.0)
     ready = scenario.wait_ready(timeout=180)
     result = scenario.finish()
     assert result.returncode == 0, result.stderr
@@ -147,3 +147,13 @@ def test_main_defined_factories_work_and_exit_is_quiet(scenario: Scenario) -> No
     assert not result.leaked
     others = [s for s in result.survivors if "multiprocessing.resource_tracker" not in s["cmdline"]]
     assert not others, "the exit hook closed the env and stopped the fork server"
+
+
+def test_unguarded_script_gets_the_main_guard_hint(scenario: Scenario) -> None:
+    """The server imports a script's ``__main__`` once, as spawn imports it in every worker: a
+    script that builds an env at import fails at once with the fix, instead of recursing."""
+    scenario.start("preloaded", script=ROOT / "tests" / "unguarded_script.py", linger=5.0)
+    result = scenario.finish(timeout=180)
+    assert result.returncode == 1, result.stderr
+    assert "PreloadError" in result.stderr and 'if __name__ == "__main__":' in result.stderr, result.stderr
+    assert not result.leaked

@@ -128,7 +128,7 @@ def _preload(modules: Sequence[str], prep: dict[str, Any]) -> None:
     for name in modules:
         try:
             if name == "__main__":
-                main_path = prep.get("main_path")
+                main_path = prep.get("init_main_from_path")
                 if main_path:
                     current = multiprocessing.process.current_process()
                     current._inheriting = True  # type: ignore[attr-defined]
@@ -218,7 +218,8 @@ class _Server(multiprocessing.forkserver.ForkServer):
     def _launch(self) -> None:
         modules = ["__main__", *self._wanted]
         wanted_prep = multiprocessing.spawn.get_preparation_data("ignore")
-        prep = {k: v for k, v in wanted_prep.items() if k in ("main_path", "sys_path")}
+        # A script's __main__ (by path; ``python -m`` mains are imported by name in each child).
+        prep = {k: v for k, v in wanted_prep.items() if k in ("init_main_from_path", "sys_path")}
         me = psutil.Process()
         owner_ctime = me.create_time()
         tag = f"{me.pid}:{owner_ctime:.6f}:{me.pid}.{TAG_SUFFIX}"
@@ -288,6 +289,13 @@ class _Server(multiprocessing.forkserver.ForkServer):
         report = json.loads(data) if data else None
         if isinstance(report, dict) and report.get("ok"):
             return
+        if isinstance(report, dict) and report.get("module") == "__main__":
+            raise PreloadError(
+                "the preloaded fork server could not import your script's __main__ module:\n"
+                f"{report['traceback']}If it builds an env (or starts processes) when imported, put "
+                'that code under `if __name__ == "__main__":`, as spawn requires too.',
+                name="__main__",
+            )
         if isinstance(report, dict) and "module" in report:
             module = report["module"]
             raise PreloadError(
