@@ -257,7 +257,8 @@ class _Server(multiprocessing.forkserver.ForkServer):
             self._await_preload(proc, status_r, modules)
         except BaseException:
             os.close(alive_w)
-            _identity.kill_and_reap([psutil.Process(proc.pid)], 0.0, what="fork server")
+            if proc.poll() is None:  # a hung preload, or an error reported before exiting
+                proc.kill()
             proc.wait()
             raise
         finally:
@@ -286,6 +287,8 @@ class _Server(multiprocessing.forkserver.ForkServer):
             if not chunk:
                 break
             data += chunk
+            if _complete(data):  # a process the preload started may hold the pipe open
+                break
         report = json.loads(data) if data else None
         if isinstance(report, dict) and report.get("ok"):
             return
@@ -347,6 +350,14 @@ class _Server(multiprocessing.forkserver.ForkServer):
     def _endpoint(self, address: Any, alive_fd: int | None, pid: int | None) -> None:
         """What the base class's ``connect_to_new_process`` uses."""
         self.__dict__.update(_forkserver_address=address, _forkserver_alive_fd=alive_fd, _forkserver_pid=pid)
+
+
+def _complete(data: bytes) -> bool:
+    try:
+        json.loads(data)
+    except ValueError:
+        return False
+    return True
 
 
 _SERVER = _Server()
