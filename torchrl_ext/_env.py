@@ -254,7 +254,7 @@ class ManagedParallelEnv(ParallelEnv):
             and not resolved
             and kwargs.get("mp_start_method") is None
             and not _forkserver.start_method_chosen_by_user()
-            and "forkserver" in multiprocessing.get_all_start_methods()
+            and "forkserver" in methods
         ):
             extra = preload_setting if isinstance(preload_setting, tuple) else ()
             state.preload_modules = (*_factory_modules(create_env_fn), *extra)
@@ -341,6 +341,7 @@ class ManagedParallelEnv(ParallelEnv):
         label = f"ManagedParallelEnv[{tag.env_id}]"
         fifo = _reaper_client.acquire()
         supervisor = WorkerSupervisor(tag, state.shutdown_timeout, label, base_dir=os.path.dirname(fifo))
+        child_start_method = self._child_start_method()
         if context is not None:
             server = _forkserver.server_key()
             if server is not None:  # the reaper kills it too if this process dies
@@ -364,7 +365,7 @@ class ManagedParallelEnv(ParallelEnv):
                     report_path=supervisor.report_path(i),
                     reaper_fifo=fifo,
                     done_fifo=None if state.spin == float("inf") else supervisor.done_signal.path,
-                    child_start_method=self._child_start_method(),
+                    child_start_method=child_start_method,
                 ),
             )
             for i, kwargs in enumerate(user_kwargs)

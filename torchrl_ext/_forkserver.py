@@ -62,6 +62,7 @@ import psutil
 
 from . import _identity, _platform
 from ._errors import PreloadError, format_exitcode
+from ._tag import Tag
 
 __all__ = [
     "BASE_PRELOAD",
@@ -221,10 +222,9 @@ class _Server(multiprocessing.forkserver.ForkServer):
         # A script's __main__ (by path; ``python -m`` mains are imported by name in each child).
         prep = {k: v for k, v in wanted_prep.items() if k in ("init_main_from_path", "sys_path")}
         me = psutil.Process()
-        owner_ctime = me.create_time()
-        tag = f"{me.pid}:{owner_ctime:.6f}:{me.pid}.{TAG_SUFFIX}"
+        tag = Tag(me.pid, me.create_time(), f"{me.pid}.{TAG_SUFFIX}")
         env = dict(os.environ)
-        env[_identity.OWNER_VAR] = tag
+        env[_identity.OWNER_VAR] = str(tag)
         env[_identity.WORKER_VAR] = TAG_SUFFIX
         arm = threading.current_thread() is threading.main_thread()
         with socket.socket(socket.AF_UNIX) as listener:

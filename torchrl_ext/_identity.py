@@ -299,7 +299,7 @@ def reap_later(procs: Iterable[psutil.Process], window: float = LATE_REAP_WINDOW
         deadline = time.monotonic() + window
         while left and time.monotonic() < deadline:
             same = [proc for proc in left if proc.is_running()]  # is_running checks the create time
-            reap_if_child([proc for proc in same if _zombie(proc.pid)])
+            reap_if_child(same)  # collects only those that have exited
             left = [proc for proc in same if proc.is_running()]
             time.sleep(LATE_REAP_POLL)
 
