@@ -55,6 +55,9 @@ class ToyEnv(EnvBase):
         hold_gil: bool = False,
         hang_loader_start: bool = False,
         offset: bool = False,
+        reset_sleep: float = 0.0,
+        die_once_at_step: int | None = None,
+        die_flag: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(batch_size=torch.Size([]), **kwargs)
@@ -71,6 +74,11 @@ class ToyEnv(EnvBase):
         self.block_close = block_close
         self.pid_dir = pid_dir
         self.hang_loader_start = hang_loader_start
+        self.reset_sleep = reset_sleep
+        #: SIGKILL this worker at its ``die_once_at_step``-th step, once per ``die_flag`` file.
+        self.die_once_at_step = die_once_at_step
+        self.die_flag = die_flag
+        self._steps = 0
         self._iter: Any = None
         self._loader: Any = None
         self._episode = 0
@@ -164,6 +172,10 @@ class ToyEnv(EnvBase):
     def _reset(self, tensordict: TensorDict | None = None, **kwargs: Any) -> TensorDict:
         if self.raise_in == "reset":
             raise KeyError("boom in reset")
+        if self.reset_sleep and self._in_worker():
+            if self.pid_dir:
+                self._record("resetting", os.getpid())
+            time.sleep(self.reset_sleep)
         self._current = self._next_episode().clone()
         self._episode += 1
         self._t = 0
@@ -179,6 +191,16 @@ class ToyEnv(EnvBase):
     def _step(self, tensordict: TensorDict) -> TensorDict:
         if self.raise_in == "step":
             raise ZeroDivisionError("boom in step")
+        self._steps += 1
+        if self.die_flag and self._steps == self.die_once_at_step and self._in_worker():
+            try:
+                fd = os.open(self.die_flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                pass  # another incarnation died here already
+            else:
+                os.write(fd, str(os.getpid()).encode())
+                os.close(fd)
+                os.kill(os.getpid(), signal.SIGKILL)
         if self.hold_gil:
             if self.pid_dir:
                 self._record("stepping", os.getpid())

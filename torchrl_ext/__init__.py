@@ -32,9 +32,11 @@ from ._errors import (
     RemoteTraceback,
     WorkerDiedError,
     WorkerEnvError,
+    WorkerHungError,
     format_exitcode,
 )
 from ._report import SupervisionReport, WorkerOutcome
+from ._restart import RestartRecord
 
 __all__ = [
     "DaemonicParentError",
@@ -42,9 +44,11 @@ __all__ = [
     "ManagedParallelEnv",
     "PreloadError",
     "RemoteTraceback",
+    "RestartRecord",
     "SupervisionReport",
     "WorkerDiedError",
     "WorkerEnvError",
+    "WorkerHungError",
     "WorkerOutcome",
     "__version__",
     "format_exitcode",

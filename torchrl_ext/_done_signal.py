@@ -105,11 +105,13 @@ class DoneSignal:
         timeout: float,
         spin: float,
         check: Callable[[], None],
+        on_timeout: Callable[[], None] | None = None,
     ) -> None:
         """Return once ``flags[i]`` is set for every ``i`` in ``indices``, clearing them.
 
-        ``check`` runs before each sleep and may raise (a dead worker). Raises
-        ``RuntimeError`` like TorchRL's own loop once ``timeout`` seconds have passed.
+        ``check`` runs before each sleep and may raise (a dead worker). Once ``timeout``
+        seconds have passed, ``on_timeout`` runs (it must raise) or, without one, a
+        ``RuntimeError`` like TorchRL's own loop's is raised.
         """
         start = time.perf_counter()
         expected = self.typical_wait
@@ -145,7 +147,7 @@ class DoneSignal:
                     return
             else:
                 self._waits_since_spin += 1
-        self._sleep_until_done(flags, indices, timeout, check)
+        self._sleep_until_done(flags, indices, timeout, check, on_timeout)
         self._record(start)
 
     @staticmethod
@@ -170,7 +172,12 @@ class DoneSignal:
         self.typical_wait += _ALPHA * (sample - self.typical_wait)
 
     def _sleep_until_done(
-        self, flags: Any, indices: Sequence[int], timeout: float, check: Callable[[], None]
+        self,
+        flags: Any,
+        indices: Sequence[int],
+        timeout: float,
+        check: Callable[[], None],
+        on_timeout: Callable[[], None] | None,
     ) -> None:
         deadline = time.monotonic() + timeout
         sleep = _FIRST_SLEEP
@@ -192,6 +199,8 @@ class DoneSignal:
                 check()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    if on_timeout is not None:
+                        on_timeout()
                     raise RuntimeError(
                         f"Failed to run all workers within the {timeout} sec time limit. This "
                         "threshold can be increased via the BATCHED_PIPE_TIMEOUT env variable."

@@ -7,11 +7,15 @@ This module holds no OS calls: process state lives in ``_supervisor``, the in-wo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import psutil
@@ -29,9 +33,19 @@ from ._compat import (
     worker_context,
 )
 from ._done_signal import DEFAULT_SPIN, has_spare_core
-from ._errors import DaemonicParentError, WorkerDiedError
+from ._errors import DaemonicParentError, WorkerDiedError, WorkerHungError
 from ._metadata import metadata_in_subprocess as metadata_in_subprocess_ctx
 from ._report import SupervisionReport
+from ._restart import (
+    RESTARTED_KEY,
+    RestartBudget,
+    RestartRecord,
+    add_restart_keys,
+    clear_marks,
+    copy_unstarted,
+    mark_transition,
+    recording_starts,
+)
 from ._supervisor import WorkerSupervisor
 from ._tag import Tag, new_env_tag
 from ._worker import WorkerConfig
@@ -42,6 +56,37 @@ log = logging.getLogger("torchrl_ext")
 
 #: How long a closed pipe may precede the death of its worker becoming visible.
 LOST_PIPE_WAIT = 1.0
+#: Longest pause between checks while a replacement starts or resets.
+_POLL_SLICE = 0.02
+#: How long the supervisor may take to handle a worker's exit (its tree's SIGKILL included).
+_LOSS_WAIT = 10.0
+
+
+class _Lost(Exception):
+    """A worker was lost while the env waited (restarts on): handled by the wait loop."""
+
+
+class _Hung(Exception):
+    """The wait passed ``step_timeout``: handled by the wait loop."""
+
+
+class _ReplacementLost(Exception):
+    """A replacement died or hung while starting; its loss is in ``supervisor.lost``."""
+
+
+def _check_restartable(env: Any) -> None:
+    """Restarts and hang detection work on TorchRL's shared buffers, with tensors only."""
+    if not env.__dict__.get("_use_buffers"):
+        raise ValueError(
+            "max_restarts and step_timeout need TorchRL's shared buffers; this env has "
+            "use_buffers=False. Pass use_buffers=True, or max_restarts=0 and step_timeout=None."
+        )
+    if env.__dict__.get("_non_tensor_keys"):
+        raise ValueError(
+            "max_restarts and step_timeout are not supported for envs with non-tensor specs "
+            f"({env._non_tensor_keys}); pass max_restarts=0 and step_timeout=None."
+        )
+
 
 #: As the installed TorchRL: 10 s (TorchRL 0.10 hard-codes the same wait).
 DEFAULT_SHUTDOWN_TIMEOUT: float = UPSTREAM_DEFAULTS["shutdown_timeout"]
@@ -60,6 +105,10 @@ class _ManagedState:
         exit_with_parent: bool | None = None,
         preload: bool | tuple[str, ...] = True,
         child_start_method: str | None = None,
+        max_restarts: int = 0,
+        restart_window: float | None = None,
+        step_timeout: float | None = None,
+        restart_on_error: bool = False,
     ):
         self.daemon_workers = daemon_workers
         self.shutdown_timeout = shutdown_timeout
@@ -78,6 +127,21 @@ class _ManagedState:
         self.closing = False
         self.close_reason = "close"
         self.worker_pids: list[int] = []
+        self.max_restarts = max_restarts
+        self.restart_window = restart_window
+        self.step_timeout = step_timeout
+        self.restart_on_error = restart_on_error
+        #: Our own wait loop (restarts, hang detection) instead of TorchRL's.
+        self.own_wait = max_restarts > 0 or step_timeout is not None
+        self.budget = RestartBudget(max_restarts, restart_window)
+        self.restarts: list[RestartRecord] = []
+        #: Per slot, the worker process as TorchRL built it, unstarted (see _restart).
+        self.templates: list[Any] = []
+        #: Context of the workers' pipes and events (a replacement needs the same).
+        self.worker_ctx: Any = None
+        #: Done entries only restarts write, and the slots whose "next" holds a mark.
+        self.mark_keys: list[str] = []
+        self.marked: set[int] = set()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (
@@ -91,6 +155,10 @@ class _ManagedState:
                 self.exit_with_parent,
                 self.preload,
                 self.child_start_method,
+                self.max_restarts,
+                self.restart_window,
+                self.step_timeout,
+                self.restart_on_error,
             ),
         )
 
@@ -188,6 +256,19 @@ class ManagedParallelEnv(ParallelEnv):
             ``DataLoader(num_workers>0)`` built there without ``multiprocessing_context`` uses.
             ``None`` (default): ``"fork"`` for workers of the preloaded server (no torch
             import, no interpreter shutdown per DataLoader worker), else left as inherited.
+        max_restarts: how many lost workers (dead, hung, or, with ``restart_on_error``,
+            whose env raised) are replaced within ``restart_window``; the call in flight returns
+            normally and the slot's transition is marked (``("next", "worker_restarted")``,
+            ``truncated`` and ``done`` True, ``terminated`` False; see docs/restarts.md).
+            ``0`` (default): the first loss raises :class:`WorkerDiedError`, as before.
+            Needs TorchRL's shared buffers (``use_buffers``, the default) and tensor-only specs.
+        restart_window: seconds over which ``max_restarts`` is counted; ``None`` (default):
+            the env's whole life.
+        step_timeout: seconds a worker may take to answer a step or reset; one that takes
+            longer is killed with its tree, then restarted (within ``max_restarts``) or
+            :class:`WorkerHungError` is raised. ``None`` (default): TorchRL's own wait.
+        restart_on_error: an exception raised by the env's own code restarts the slot too
+            (within ``max_restarts``); by default it is re-raised with its type and traceback.
         **kwargs: everything ``torchrl.envs.ParallelEnv`` accepts.
 
     Example:
@@ -204,6 +285,7 @@ class ManagedParallelEnv(ParallelEnv):
     create_env_kwargs: list[Any]
     parent_channels: list[Any]
     _workers: Any
+    _events: Any
 
     def __init__(
         self,
@@ -220,6 +302,10 @@ class ManagedParallelEnv(ParallelEnv):
         exit_with_parent: bool | None = None,
         preload: bool | Sequence[str] = True,
         child_start_method: str | None = None,
+        max_restarts: int = 0,
+        restart_window: float | None = None,
+        step_timeout: float | None = None,
+        restart_on_error: bool = False,
         **kwargs: Any,
     ) -> None:
         if shutdown_timeout is None:
@@ -228,6 +314,12 @@ class ManagedParallelEnv(ParallelEnv):
             raise ValueError(f"shutdown_timeout must be positive, got {shutdown_timeout!r}")
         if spin_wait is not None and not spin_wait >= 0:
             raise ValueError(f"spin_wait must be None or >= 0 seconds, got {spin_wait!r}")
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+        if restart_window is not None and not restart_window > 0:
+            raise ValueError(f"restart_window must be None or > 0 seconds, got {restart_window!r}")
+        if step_timeout is not None and not step_timeout > 0:
+            raise ValueError(f"step_timeout must be None or > 0 seconds, got {step_timeout!r}")
         resolved = _resolve_daemon(daemon_workers, daemon)
         methods = multiprocessing.get_all_start_methods()
         if child_start_method is not None and child_start_method not in methods:
@@ -247,6 +339,10 @@ class ManagedParallelEnv(ParallelEnv):
             exit_with_parent,
             preload_setting,
             child_start_method,
+            max_restarts,
+            None if restart_window is None else float(restart_window),
+            None if step_timeout is None else float(step_timeout),
+            bool(restart_on_error),
         )
         self.__dict__["_trx"] = state
         if (
@@ -330,12 +426,26 @@ class ManagedParallelEnv(ParallelEnv):
         """Pids of the current (or last) workers."""
         return list(self.__dict__["_trx"].worker_pids)
 
+    @property
+    def restarts(self) -> list[RestartRecord]:
+        """Every worker restart of this env so far, oldest first (see ``max_restarts``)."""
+        return list(self.__dict__["_trx"].restarts)
+
+    def _set_properties(self) -> None:
+        super()._set_properties()
+        state: _ManagedState | None = self.__dict__.get("_trx")
+        if state is not None and state.max_restarts > 0:
+            added = add_restart_keys(self)
+            state.mark_keys = [key for key in (RESTARTED_KEY, "truncated") if key in added]
+
     # ------------------------------------------------------------------ start
     def _start_workers(self) -> None:
         state: _ManagedState = self.__dict__["_trx"]
         current = multiprocessing.current_process()
         if current.daemon:
             raise DaemonicParentError(current.name)
+        if state.own_wait:
+            _check_restartable(self)
         context = self._preloaded_context()  # raises PreloadError before anything started
         tag = new_env_tag()
         label = f"ManagedParallelEnv[{tag.env_id}]"
@@ -375,8 +485,11 @@ class ManagedParallelEnv(ParallelEnv):
         if exit_with_parent is None:
             exit_with_parent = _lifecycle.multiprocessing_parent() is not None
         _lifecycle.register(self, state.handle_signals, state.reap_orphans, exit_with_parent)
+        recording: contextlib.AbstractContextManager[list[Any]] = (
+            recording_starts() if state.max_restarts > 0 else contextlib.nullcontext([])
+        )
         try:
-            with managed_worker_targets(), worker_context(self, context):
+            with managed_worker_targets(), worker_context(self, context), recording as started:
                 super()._start_workers()
         except BaseException as err:
             failure = self._abort_start(supervisor, err)
@@ -387,6 +500,10 @@ class ManagedParallelEnv(ParallelEnv):
             self.create_env_kwargs = user_kwargs
         processes: list[Any] = self._workers
         channels: list[Any] = self.parent_channels
+        state.templates = list(started)
+        state.worker_ctx = context or multiprocessing.get_context(_start_method(self._mp_start_method))
+        state.marked = set()
+        supervisor.restartable = state.max_restarts > 0
         self.parent_channels = supervisor.attach(processes, channels)
         self._workers = SupervisedWorkers(processes, supervisor.raise_known_failure)
         state.worker_pids = [p.pid for p in processes]
@@ -422,12 +539,16 @@ class ManagedParallelEnv(ParallelEnv):
 
     # ------------------------------------------------------------------ failures
     def _check_failed(self) -> WorkerSupervisor | None:
-        """Hot path, before each call: raise a death the supervisor already handled; no system
-        call. A death not handled yet surfaces through TorchRL's own wait loop, which lands in
-        _shutdown_workers below."""
-        supervisor: WorkerSupervisor | None = self.__dict__["_trx"].supervisor
-        if supervisor is not None and supervisor.first_failure is not None:
-            _raise_failure(supervisor.first_failure)
+        """Hot path, before each call: raise a death the supervisor already handled, or (with
+        restarts) replace the workers lost since the last call; no system call otherwise. A
+        death not handled yet surfaces through the wait loop."""
+        state: _ManagedState = self.__dict__["_trx"]
+        supervisor = state.supervisor
+        if supervisor is not None:
+            if supervisor.first_failure is not None:
+                _raise_failure(supervisor.first_failure)
+            if supervisor.lost or state.marked:
+                self._between_calls(supervisor)
         return supervisor
 
     def _translate(self, err: Exception, supervisor: WorkerSupervisor | None) -> None:
@@ -440,9 +561,269 @@ class ManagedParallelEnv(ParallelEnv):
         if found is None:
             # A closed pipe is seen a moment before the death itself, so it gets a short wait.
             lost_pipe = isinstance(err, EOFError | OSError)
-            found = supervisor.wait_for_failure(LOST_PIPE_WAIT if lost_pipe else 0.0)
+            found = supervisor.wait_for_failure(LOST_PIPE_WAIT if lost_pipe else 0.0, lost_counts=True)
+        if found is None and supervisor.lost:
+            # Restarts on: the slot is replaced at the next call; this one cannot be completed.
+            found = supervisor.lost[0].failure
         if found is not None:
             _raise_failure(found)
+
+    # ------------------------------------------------------------------ restarts
+    def _between_calls(self, supervisor: WorkerSupervisor) -> None:
+        state: _ManagedState = self.__dict__["_trx"]
+        if state.marked:
+            for slot in state.marked:
+                clear_marks(self.shared_tensordicts[slot], state.mark_keys)
+            state.marked = set()
+        if supervisor.lost:
+            self._handle_losses(supervisor, in_flight=())
+
+    def _handle_losses(self, supervisor: WorkerSupervisor, in_flight: Collection[int]) -> None:
+        """Replace every lost worker (its tree is already gone), or raise once the budget is
+        spent. ``in_flight``: slots whose answer the caller is waiting for."""
+        while supervisor.lost:
+            self._restart_slot(supervisor, supervisor.lost[0], in_flight)
+
+    def _give_up(self, supervisor: WorkerSupervisor, lost: Any, reason: str) -> None:
+        state: _ManagedState = self.__dict__["_trx"]
+        failure = lost.failure
+        history = "; ".join(str(r) for r in state.restarts[-5:]) or "none"
+        detail = f"{reason}; restarts so far ({len(state.restarts)}): {history}"
+        if isinstance(failure, WorkerHungError):
+            failure = WorkerHungError(lost.index, lost.pid, failure.last_command, failure.timeout, detail)
+        elif isinstance(failure, WorkerDiedError):
+            failure = WorkerDiedError(lost.index, lost.pid, lost.exitcode, failure.last_command, detail)
+        elif state.max_restarts > 0:
+            failure.add_note(f"torchrl_ext: worker {lost.index} (pid {lost.pid}) not restarted: {detail}")
+        with supervisor._lock:
+            supervisor.lost = []
+            if supervisor.first_failure is None:
+                supervisor.first_failure = failure
+        _raise_failure(supervisor.first_failure)
+
+    def _restart_slot(self, supervisor: WorkerSupervisor, lost: Any, in_flight: Collection[int]) -> None:
+        """Replace ``lost`` (retrying while replacements are lost too), then replay its
+        in-flight reset, or reset the new env and mark the in-flight step's transition, or
+        (lost between calls) have the slot's next step answered by a mark."""
+        state: _ManagedState = self.__dict__["_trx"]
+        slot = lost.index
+        # What the slot owes the caller is what the first lost worker was asked.
+        command = lost.channel.last_command
+        message = lost.channel.last_message
+        replay = slot in in_flight and command == "reset"
+        while True:
+            env_error = not isinstance(lost.failure, WorkerDiedError)
+            if env_error and not state.restart_on_error:
+                self._give_up(supervisor, lost, "its env raised (restart_on_error=False)")
+            if not state.budget.allows(time.monotonic()):
+                self._give_up(supervisor, lost, f"more losses than {state.budget.describe()}")
+            cause: int | str | None = (
+                "hung" if lost.hung else type(lost.failure).__name__ if env_error else lost.exitcode
+            )
+            supervisor.forget_report(slot)
+            try:
+                process, channel = self._start_replacement(supervisor, slot)
+                ready = time.monotonic()
+                waited = ready - lost.lost_at
+                asked = lost.channel.last_command
+                now = time.time()
+                record = RestartRecord(slot, lost.pid, process.pid, cause, asked, now - waited, waited)
+                state.restarts.append(record)
+                log.warning(
+                    "%s restarted worker %s (%d descendant process(es) of the old one killed)",
+                    supervisor.label,
+                    record,
+                    lost.descendants_killed,
+                )
+                if replay:
+                    channel.send(message)  # the same reset again, on the new env; answered as usual
+                    return
+                self._reset_slot(supervisor, slot, channel)
+            except _ReplacementLost:
+                lost = supervisor.worker(slot)
+                continue
+            if slot in in_flight and command in ("step", "step_and_maybe_reset"):
+                self._mark(slot)
+            else:  # lost between calls: the slot's next step is answered by a mark
+                channel.intercept = functools.partial(self._intercept, slot, channel)
+            return
+
+    def _start_replacement(self, supervisor: WorkerSupervisor, slot: int) -> tuple[Any, Any]:
+        state: _ManagedState = self.__dict__["_trx"]
+        template = state.templates[slot]
+        ctx = state.worker_ctx
+        kwargs = dict(template._kwargs)
+        parent_pipe, child_pipe = ctx.Pipe()
+        event = ctx.Event()
+        kwargs.update(parent_pipe=parent_pipe, child_pipe=child_pipe, mp_event=event)
+        env_kwargs = kwargs.get("env_fun_kwargs")
+        if isinstance(env_kwargs, ConfiguredKwargs):
+            # The parent-death signal follows the forking thread: arm it only where that thread
+            # outlives the worker (the fork server's, or the main thread).
+            arm = (
+                getattr(template, "_start_method", None) == "forkserver"
+                or threading.current_thread() is threading.main_thread()
+            )
+            kwargs["env_fun_kwargs"] = ConfiguredKwargs(
+                dict(env_kwargs), dataclasses.replace(env_kwargs.trx_config, arm_pdeathsig=arm)
+            )
+        if state.preload_modules is not None:
+            self._preloaded_context()  # a fork server that died meanwhile is replaced
+            server = _forkserver.server_key()
+            fifo = env_kwargs.trx_config.reaper_fifo if isinstance(env_kwargs, ConfiguredKwargs) else None
+            if server is not None and fifo:
+                _reaper_client.notify_watch(fifo, server[0], server[1], server[0])
+        process = copy_unstarted(template, kwargs)
+        process.start()
+        child_pipe.close()
+        channel = supervisor.replace(slot, process, parent_pipe)
+        self._workers[slot] = process
+        self.parent_channels[slot] = channel
+        if self.__dict__.get("_events") is not None:
+            self._events[slot] = event
+        state.worker_pids[slot] = process.pid
+        # TorchRL's handshake: the worker says it built its env, then is sent "init".
+        self._await(supervisor, slot, lambda: bool(channel.poll(0)), channel)
+        channel.recv()
+        channel.send(("init", None))
+        return process, channel
+
+    def _reset_slot(self, supervisor: WorkerSupervisor, slot: int, channel: Any) -> None:
+        channel.send(("reset", (False, {})))
+        self._await(supervisor, slot, lambda: self._slot_answered(slot))
+
+    def _slot_answered(self, slot: int) -> bool:
+        flags = self.__dict__.get("_shm_done_flags")
+        if flags is not None:
+            if flags[slot]:
+                flags[slot] = 0
+                return True
+            return False
+        event = self._events[slot]
+        if event.is_set():
+            event.clear()
+            return True
+        return False
+
+    def _slot_done(self, slot: int) -> None:
+        flags = self.__dict__.get("_shm_done_flags")
+        if flags is not None:
+            flags[slot] = 1
+        else:
+            self._events[slot].set()
+
+    def _await(
+        self, supervisor: WorkerSupervisor, slot: int, ready: Callable[[], bool], channel: Any = None
+    ) -> None:
+        """Poll ``ready`` until true, waking early when the worker (or ``channel``) does; a
+        replacement that dies or (``step_timeout``) hangs meanwhile raises _ReplacementLost
+        (its loss is then in ``supervisor.lost``)."""
+        state: _ManagedState = self.__dict__["_trx"]
+        worker = supervisor.worker(slot)
+        limit = state.step_timeout if state.step_timeout is not None else self.BATCHED_PIPE_TIMEOUT
+        hang_at = time.monotonic() + limit
+        waitables: list[Any] = [worker.sentinel] + ([channel] if channel is not None else [])
+        pause = 1e-4
+        while not ready():
+            if worker.finished or worker.exited():
+                supervisor.poll()
+                self._await_loss(supervisor, worker)
+                raise _ReplacementLost
+            if time.monotonic() >= hang_at:
+                supervisor.kill_hung(slot, limit)
+                self._await_loss(supervisor, worker)
+                raise _ReplacementLost
+            multiprocessing.connection.wait(waitables, timeout=pause)
+            pause = min(2 * pause, _POLL_SLICE)
+
+    def _await_loss(self, supervisor: WorkerSupervisor, worker: Any) -> None:
+        """Wait until the supervisor has handled ``worker``'s exit (tree killed, loss recorded)."""
+        if not worker.handled.wait(_LOSS_WAIT):
+            supervisor.poll()
+        if not worker.handled.is_set():
+            asked = worker.channel.last_command
+            raise WorkerDiedError(worker.index, worker.pid, None, asked, "its exit was not seen")
+        supervisor.raise_known_failure()
+
+    def _mark(self, slot: int) -> None:
+        state: _ManagedState = self.__dict__["_trx"]
+        mark_transition(self.shared_tensordicts[slot], self._env_obs_keys, self.reward_keys, self.done_keys)
+        state.marked.add(slot)
+        self._slot_done(slot)
+
+    def _intercept(self, slot: int, channel: Any, message: tuple[Any, ...]) -> bool:
+        """A replacement's first step is not sent: its transition is the marked one."""
+        command = message[0]
+        if command in ("step", "step_and_maybe_reset"):
+            channel.intercept = None
+            self._mark(slot)
+            return True
+        if command == "reset":
+            channel.intercept = None
+        return False
+
+    def _wait_own(self, supervisor: WorkerSupervisor, workers_range: Any) -> None:
+        """Wait for the workers' answers, replacing lost workers and killing hung ones."""
+        state: _ManagedState = self.__dict__["_trx"]
+        indices = self.__dict__.get("_worker_indices")
+        slots = list(workers_range) if indices is None else [indices[i] for i in workers_range]
+        flags = self.__dict__.get("_shm_done_flags")
+        pipe_deadline = time.monotonic() + self.BATCHED_PIPE_TIMEOUT
+        step_timeout = state.step_timeout
+        hang_at = None if step_timeout is None else time.monotonic() + step_timeout
+
+        def check() -> None:
+            supervisor.raise_known_failure()
+            if supervisor.lost:
+                raise _Lost
+
+        def on_timeout() -> None:
+            if hang_at is not None and time.monotonic() >= hang_at:
+                raise _Hung
+
+        while True:
+            deadline = pipe_deadline if hang_at is None else min(pipe_deadline, hang_at)
+            try:
+                if flags is not None:
+                    supervisor.done_signal.wait_for(
+                        flags, slots, max(0.0, deadline - time.monotonic()), state.spin, check, on_timeout
+                    )
+                else:
+                    self._wait_events(slots, deadline, check, on_timeout)
+                return
+            except _Lost:
+                self._handle_losses(supervisor, in_flight=slots)
+            except _Hung:
+                assert step_timeout is not None
+                for slot in slots:
+                    if not (flags[slot] if flags is not None else self._events[slot].is_set()):
+                        worker = supervisor.kill_hung(slot, step_timeout)
+                        self._await_loss(supervisor, worker)
+                self._handle_losses(supervisor, in_flight=slots)
+                hang_at = time.monotonic() + step_timeout  # for replayed resets
+
+    def _wait_events(
+        self, slots: list[int], deadline: float, check: Callable[[], None], on_timeout: Callable[[], None]
+    ) -> None:
+        """TorchRL < 0.11: workers answer by setting their ``mp.Event``."""
+        events = self._events
+        pause = 1e-4
+        while True:
+            waiting = [slot for slot in slots if not events[slot].is_set()]
+            if not waiting:
+                for slot in slots:
+                    events[slot].clear()
+                return
+            check()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                on_timeout()
+                raise RuntimeError(
+                    f"Failed to run all workers within the {self.BATCHED_PIPE_TIMEOUT} sec time limit. This "
+                    "threshold can be increased via the BATCHED_PIPE_TIMEOUT env variable."
+                )
+            events[waiting[0]].wait(min(pause, remaining))
+            pause = min(2 * pause, _POLL_SLICE)
 
     @contextlib.contextmanager
     def _supervised(self) -> Iterator[None]:
@@ -456,6 +837,9 @@ class ManagedParallelEnv(ParallelEnv):
     def _wait_for_workers(self, workers_range: Any) -> None:
         state: _ManagedState = self.__dict__["_trx"]
         supervisor = state.supervisor
+        if supervisor is not None and state.own_wait:
+            self._wait_own(supervisor, workers_range)
+            return
         flags = self.__dict__.get("_shm_done_flags")
         if (
             supervisor is None
@@ -493,8 +877,20 @@ class ManagedParallelEnv(ParallelEnv):
             raise
 
     def set_seed(self, seed: int | None = None, static_seed: bool = False) -> int | None:
-        with self._supervised():
+        supervisor = self._check_failed()
+        try:
             return super().set_seed(seed, static_seed)
+        except Exception as err:
+            if supervisor is None or not supervisor.restartable:
+                self._translate(err, supervisor)
+                raise
+            # Seeding is one worker after the other and deterministic: replace and seed again.
+            supervisor.wait_for_failure(LOST_PIPE_WAIT if isinstance(err, EOFError | OSError) else 0.0, True)
+            if supervisor.first_failure is None and supervisor.lost:
+                self._handle_losses(supervisor, in_flight=())
+                return super().set_seed(seed, static_seed)
+            self._translate(err, supervisor)
+            raise
 
     def state_dict(self) -> Any:
         with self._supervised():

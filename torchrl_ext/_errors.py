@@ -17,6 +17,7 @@ __all__ = [
     "RemoteTraceback",
     "WorkerDiedError",
     "WorkerEnvError",
+    "WorkerHungError",
     "format_exitcode",
     "hint_for_exitcode",
 ]
@@ -121,6 +122,51 @@ class WorkerDiedError(RuntimeError):
             type(self),
             (self.worker_index, self.pid, self.exitcode, self.last_command, self.detail),
         )
+
+
+class WorkerHungError(WorkerDiedError):
+    """A worker did not answer a command within ``step_timeout`` seconds and was killed.
+
+    Raised like :class:`WorkerDiedError` (which it subclasses) when the env has no restart
+    left (``max_restarts``); with restarts left, the slot is restarted instead.
+
+    Example:
+        >>> err = WorkerHungError(worker_index=0, pid=4242, last_command="step", timeout=5.0)
+        >>> isinstance(err, WorkerDiedError), err.timeout
+        (True, 5.0)
+    """
+
+    def __init__(
+        self,
+        worker_index: int,
+        pid: int | None,
+        last_command: str | None,
+        timeout: float,
+        detail: str | None = None,
+    ) -> None:
+        self.timeout = timeout
+        RuntimeError.__init__(self)
+        self.worker_index = worker_index
+        self.pid = pid
+        self.exitcode = -signal.SIGKILL
+        self.last_command = last_command
+        self.detail = detail
+        self.hint = (
+            f"the worker did not answer {last_command or 'its command'!r} within step_timeout="
+            f"{timeout:g}s (a hung simulator, a deadlock, a stuck read?); it and its process tree "
+            "were killed. Raise `step_timeout` if such a step can legitimately take longer, or set "
+            "`max_restarts` to replace hung workers and keep going."
+        )
+        message = (
+            f"ManagedParallelEnv worker {worker_index} (pid {pid}) hung: no answer to "
+            f"{last_command or 'no command'!r} within {timeout:g}s. Hint: {self.hint}"
+        )
+        if detail:
+            message += f" ({detail})"
+        self.args = (message,)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.worker_index, self.pid, self.last_command, self.timeout, self.detail))
 
 
 class WorkerEnvError(RuntimeError):

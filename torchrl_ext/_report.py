@@ -42,6 +42,8 @@ class SupervisionReport:
     duration: float
     workers: tuple[WorkerOutcome, ...]
     leftovers_killed: int = 0
+    #: Workers replaced during the env's life (see ``env.restarts``).
+    restarts: int = 0
 
     @property
     def clean(self) -> bool:
@@ -51,6 +53,7 @@ class SupervisionReport:
     def __str__(self) -> str:
         lines = [
             f"shutdown ({self.reason}) took {self.duration:.2f}s; leftovers killed: {self.leftovers_killed}"
+            + (f"; workers restarted: {self.restarts}" if self.restarts else "")
         ]
         for w in self.workers:
             extra = f", {w.descendants_killed} descendant(s) killed" if w.descendants_killed else ""

@@ -10,6 +10,7 @@ failure order" in ``docs/design.md``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing.connection
 import multiprocessing.popen_forkserver
@@ -26,7 +27,7 @@ import psutil
 
 from . import _identity, _platform, _reaper_client
 from ._done_signal import DoneSignal
-from ._errors import WorkerDiedError, format_exitcode
+from ._errors import WorkerDiedError, WorkerHungError, format_exitcode
 from ._lifecycle import CLOSE_MESSAGE_SHARE, SIGKILL_SHARE, SIGTERM_SHARE
 from ._report import Outcome, SupervisionReport, WorkerOutcome
 from ._tag import Tag
@@ -41,19 +42,34 @@ FALLBACK_POLL_INTERVAL = 0.1
 
 
 class _ParentChannel:
-    """The parent's end of a worker pipe, remembering the last command sent."""
+    """The parent's end of a worker pipe, remembering the last command sent.
 
-    def __init__(self, conn: Any) -> None:
+    With restarts on (``tolerant``), a send to a worker that is gone does not raise: the loss
+    is handled where the env waits for the answer. ``intercept`` (set on a replacement that
+    owes its slot a marked transition) may take a command instead of sending it.
+    """
+
+    def __init__(self, conn: Any, tolerant: bool = False) -> None:
         self._conn = conn
+        self.tolerant = tolerant
         self.last_command: str | None = None
+        self.last_message: Any = None
+        self.intercept: Any = None
         # Bound once: read after every step (no __getattr__ on the hot path).
         self.recv = conn.recv
         self.poll = conn.poll
 
     def send(self, obj: Any) -> None:
         if isinstance(obj, tuple) and obj and isinstance(obj[0], str):
+            if self.intercept is not None and self.intercept(obj):
+                return
             self.last_command = obj[0]
-        self._conn.send(obj)
+            self.last_message = obj
+        try:
+            self._conn.send(obj)
+        except (OSError, EOFError):
+            if not self.tolerant:
+                raise
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._conn, name)
@@ -73,6 +89,13 @@ class _Worker:
     finished: bool = False
     sentinel: int = -1
     pidfd: int | None = None
+    #: Set when the env killed it for not answering within ``hang_timeout`` seconds.
+    hung: bool = False
+    hang_timeout: float = 0.0
+    #: ``time.monotonic()`` when its exit was noticed.
+    lost_at: float = 0.0
+    #: Set once its exit has been handled (tree killed, failure recorded).
+    handled: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         # A pidfd becomes readable when the process exits. The multiprocessing sentinel is a
@@ -108,6 +131,12 @@ class WorkerSupervisor:
         self.done_signal = DoneSignal(os.path.join(self.report_dir, "done.fifo"))
         self._thread: threading.Thread | None = None
         self.first_failure: BaseException | None = None
+        #: With restarts on: lost workers (tree already killed) the env has not handled yet;
+        #: their failures are not raised here (``first_failure`` stays None).
+        self.restartable = False
+        self.lost: list[_Worker] = []
+        self.restarts = 0
+        self._retired_fds: list[int] = []
 
     # ------------------------------------------------------------------ set-up
     def report_path(self, index: int) -> str:
@@ -118,20 +147,67 @@ class WorkerSupervisor:
         wrapped = []
         with self._lock:
             for index, (process, channel) in enumerate(zip(processes, channels, strict=True)):
-                recorder = channel if isinstance(channel, _ParentChannel) else _ParentChannel(channel)
-                wrapped.append(recorder)
-                try:
-                    ctime = psutil.Process(process.pid).create_time()
-                except psutil.Error:
-                    ctime = time.time()
-                self._workers.append(_Worker(index, process, process.pid, ctime, recorder))
-                _reaper_client.send({"op": "watch", "pid": process.pid, "ctime": ctime, "pgid": process.pid})
+                worker = self._record(index, process, channel)
+                wrapped.append(worker.channel)
+                self._workers.append(worker)
         self._snapshot()
         self._thread = threading.Thread(
             target=self._watch, name=f"torchrl_ext-supervisor-{self.label}", daemon=True
         )
         self._thread.start()
         return wrapped
+
+    def _record(self, index: int, process: Any, channel: Any) -> _Worker:
+        recorder = channel
+        if not isinstance(channel, _ParentChannel):
+            recorder = _ParentChannel(channel, self.restartable)
+        try:
+            ctime = psutil.Process(process.pid).create_time()
+        except psutil.Error:
+            ctime = time.time()
+        _reaper_client.send({"op": "watch", "pid": process.pid, "ctime": ctime, "pgid": process.pid})
+        return _Worker(index, process, process.pid, ctime, recorder)
+
+    def replace(self, index: int, process: Any, channel: Any) -> _ParentChannel:
+        """Record ``process`` (started) as slot ``index``'s worker in place of the lost one."""
+        with self._lock:
+            position = next(i for i, w in enumerate(self._workers) if w.index == index)
+            old = self._workers[position]
+            worker = self._record(index, process, channel)
+            self._workers[position] = worker
+            self.lost = [w for w in self.lost if w is not old]
+            if not self.lost and self.first_failure is None:
+                self._failure_seen.clear()
+            self.restarts += 1
+            if old.pidfd is not None:  # closed by the watcher, which may be waiting on it now
+                self._retired_fds.append(old.pidfd)
+        _reaper_client.send({"op": "unwatch", "pid": old.pid})
+        with contextlib.suppress(ValueError, AssertionError):
+            old.process.close()  # its status was collected when it was lost
+        self._wake_watcher()
+        return worker.channel
+
+    def worker(self, index: int) -> _Worker:
+        with self._lock:
+            return next(w for w in self._workers if w.index == index)
+
+    def forget_report(self, index: int) -> None:
+        """Remove a lost worker's report, so that its replacement starts with none."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.report_path(index))
+
+    def kill_hung(self, index: int, timeout: float) -> _Worker:
+        """SIGKILL slot ``index``'s worker (it did not answer within ``timeout`` seconds); its
+        tree is killed and its loss recorded as for any death."""
+        worker = self.worker(index)
+        worker.hung = True
+        worker.hang_timeout = timeout
+        self._signal_worker(worker, signal.SIGKILL)
+        return worker
+
+    def _wake_watcher(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"r")
 
     # ------------------------------------------------------------------ watching
     def _watch(self) -> None:
@@ -140,11 +216,18 @@ class WorkerSupervisor:
                 if self._stopped:
                     return
                 pending = {w.sentinel: w for w in self._workers if not w.finished}
+                retired, self._retired_fds = self._retired_fds, []
+            for retired_fd in retired:
+                with contextlib.suppress(OSError):
+                    os.close(retired_fd)
             polled = [w for w in pending.values() if w.pidfd is None]
             # Without pidfds (macOS, old kernels) a sentinel can stay open after the worker died
             # (forked grandchildren inherit it), so those workers are also polled.
             timeout = FALLBACK_POLL_INTERVAL if polled else SNAPSHOT_INTERVAL
             ready = multiprocessing.connection.wait([*pending, self._wake_r], timeout=timeout)
+            if self._wake_r in ready:
+                with contextlib.suppress(OSError):
+                    os.read(self._wake_r, 4096)
             for fd in ready:
                 if fd in pending:
                     self._on_exit(pending[fd])
@@ -184,7 +267,14 @@ class WorkerSupervisor:
             if worker.finished:
                 return
             worker.finished = True
+            worker.lost_at = time.monotonic()
             closing = self._closing
+        try:
+            self._handle_exit(worker, closing)
+        finally:
+            worker.handled.set()
+
+    def _handle_exit(self, worker: _Worker, closing: bool) -> None:
         worker.exitcode = _exitcode(worker)
         if closing:
             return
@@ -193,24 +283,32 @@ class WorkerSupervisor:
         # raised, nothing of that worker is left.
         # It was alive a moment ago, so its process group cannot have been recycled yet.
         worker.descendants_killed = self._kill_tree(worker)
-        log.warning(
-            "%s worker %d (pid %d) died with exit code %s; killed and reaped %d descendant process(es)",
+        # With restarts on, the env logs one warning per restart (or raises) instead.
+        log.log(
+            logging.DEBUG if self.restartable else logging.WARNING,
+            "%s worker %d (pid %d) %s; killed and reaped %d descendant process(es)",
             self.label,
             worker.index,
             worker.pid,
-            format_exitcode(worker.exitcode),
+            f"hung (no answer within {worker.hang_timeout:g}s)"
+            if worker.hung
+            else f"died with exit code {format_exitcode(worker.exitcode)}",
             worker.descendants_killed,
         )
         with self._lock:
             worker.failure = failure
-            if self.first_failure is None:
+            if self.restartable:
+                self.lost.append(worker)
+            elif self.first_failure is None:
                 self.first_failure = failure
         self._failure_seen.set()
         self.done_signal.notify()
 
     def _failure_for(self, worker: _Worker) -> BaseException:
-        report = read_report(self.report_path(worker.index))
         last_command = worker.channel.last_command
+        if worker.hung:
+            return WorkerHungError(worker.index, worker.pid, last_command, worker.hang_timeout)
+        report = read_report(self.report_path(worker.index))
         if report is None:
             return WorkerDiedError(worker.index, worker.pid, worker.exitcode, last_command)
         return rebuild_exception(report, worker.index, worker.pid)
@@ -267,13 +365,17 @@ class WorkerSupervisor:
         if failure is not None:
             raise failure
 
-    def wait_for_failure(self, timeout: float) -> BaseException | None:
-        """Wait up to ``timeout`` seconds for a worker death to be noticed."""
+    def wait_for_failure(self, timeout: float, lost_counts: bool = False) -> BaseException | None:
+        """Wait up to ``timeout`` seconds for a worker death to be noticed; with
+        ``lost_counts``, a loss waiting for a restart counts too."""
         deadline = time.monotonic() + timeout
         while True:
             self.poll()
-            if self.first_failure is not None or time.monotonic() >= deadline:
-                return self.first_failure
+            found = self.first_failure
+            if found is None and lost_counts and self.lost:
+                found = self.lost[0].failure
+            if found is not None or time.monotonic() >= deadline:
+                return found
             self._failure_seen.wait(min(0.02, max(0.0, deadline - time.monotonic())))
 
     # ------------------------------------------------------------------ shutdown
@@ -365,6 +467,7 @@ class WorkerSupervisor:
                 for w in workers
             ),
             leftovers_killed=swept,
+            restarts=self.restarts,
         )
 
     def _exited(self, worker: _Worker) -> bool:
@@ -407,7 +510,9 @@ class WorkerSupervisor:
             pass
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2.0)
-        fds = [self._wake_r, self._wake_w] + [w.pidfd for w in self._workers if w.pidfd is not None]
+        with self._lock:
+            retired, self._retired_fds = self._retired_fds, []
+        fds = [self._wake_r, self._wake_w, *retired] + [w.pidfd for w in self._workers if w.pidfd is not None]
         for fd in fds:
             try:
                 os.close(fd)
