@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -223,6 +224,14 @@ def shm_entries() -> set[str]:
         return set(os.listdir("/dev/shm"))
     except OSError:
         return set()
+
+
+@pytest.fixture
+def restore_start_method() -> Iterator[None]:
+    """Multi-collectors set the process-wide start method when it is unset; unset it again."""
+    before = multiprocessing.get_start_method(allow_none=True)
+    yield
+    multiprocessing.set_start_method(before, force=True)
 
 
 @pytest.fixture

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import multiprocessing
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -30,14 +28,6 @@ COLLECTORS = collector_classes()
 NEW_COLLECTORS = COLLECTORS["single"].__name__ == "Collector"  # TorchRL 0.14 names (0.10: SyncDataCollector)
 pytestmark = pytest.mark.filterwarnings("ignore:The env passed to Collector is missing transforms")
 LINGER = 10.0  # spawn collector workers (TorchRL's) exit ~4 s after main; then their env trees go
-
-
-@pytest.fixture
-def restore_start_method() -> Iterator[None]:
-    """Multi-collectors set the process-wide start method when it is unset; unset it again."""
-    before = multiprocessing.get_start_method(allow_none=True)
-    yield
-    multiprocessing.set_start_method(before, force=True)
 
 
 def _pids(pid_dir: Path, prefix: str) -> set[int]:

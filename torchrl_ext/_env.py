@@ -682,15 +682,18 @@ class ManagedParallelEnv(ParallelEnv):
         if self.__dict__.get("_events") is not None:
             self._events[slot] = event
         state.worker_pids[slot] = process.pid
-        # TorchRL's handshake: the worker says it built its env, then is sent "init".
-        self._await(supervisor, slot, lambda: bool(channel.poll(0)), channel)
+        # TorchRL's handshake: the worker says it built its env, then is sent "init". Building
+        # the env is not a command: step_timeout does not apply (a spawned worker imports torch).
+        self._await(supervisor, slot, lambda: bool(channel.poll(0)), self.BATCHED_PIPE_TIMEOUT, channel)
         channel.recv()
         channel.send(("init", None))
         return process, channel
 
     def _reset_slot(self, supervisor: WorkerSupervisor, slot: int, channel: Any) -> None:
+        state: _ManagedState = self.__dict__["_trx"]
         channel.send(("reset", (False, {})))
-        self._await(supervisor, slot, lambda: self._slot_answered(slot))
+        limit = state.step_timeout if state.step_timeout is not None else self.BATCHED_PIPE_TIMEOUT
+        self._await(supervisor, slot, lambda: self._slot_answered(slot), limit)
 
     def _slot_answered(self, slot: int) -> bool:
         flags = self.__dict__.get("_shm_done_flags")
@@ -713,14 +716,17 @@ class ManagedParallelEnv(ParallelEnv):
             self._events[slot].set()
 
     def _await(
-        self, supervisor: WorkerSupervisor, slot: int, ready: Callable[[], bool], channel: Any = None
+        self,
+        supervisor: WorkerSupervisor,
+        slot: int,
+        ready: Callable[[], bool],
+        limit: float,
+        channel: Any = None,
     ) -> None:
         """Poll ``ready`` until true, waking early when the worker (or ``channel``) does; a
-        replacement that dies or (``step_timeout``) hangs meanwhile raises _ReplacementLost
-        (its loss is then in ``supervisor.lost``)."""
-        state: _ManagedState = self.__dict__["_trx"]
+        replacement that dies or takes more than ``limit`` seconds meanwhile raises
+        _ReplacementLost (its loss is then in ``supervisor.lost``)."""
         worker = supervisor.worker(slot)
-        limit = state.step_timeout if state.step_timeout is not None else self.BATCHED_PIPE_TIMEOUT
         hang_at = time.monotonic() + limit
         waitables: list[Any] = [worker.sentinel] + ([channel] if channel is not None else [])
         pause = 1e-4

@@ -1,0 +1,490 @@
+"""Restarts (``max_restarts``, ``restart_window``, ``step_timeout``, ``restart_on_error``).
+
+A lost worker's slot is replaced, the call in flight returns normally, the slot's transition is
+marked (``("next", "worker_restarted")``), the other slots' data is what they computed, and the
+lost worker's tree is gone. The ToyEnv (``tests/envs.py``) makes values checkable: episode ``e``
+observes ``arange(4) + 100 * e + t`` at step ``t``, every env starts at episode 0, reward 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import random
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+from tests.collector_scenarios import check_toy_batch, collector_classes, make_managed_env, make_policy
+from tests.conftest import fd_count, pid_alive, shm_entries, start_kwargs
+from tests.envs import OBS, make_env
+from tests.polling import wait_until
+from tests.test_faults import assert_no_shm_growth
+from torchrl_ext import ManagedParallelEnv, RestartRecord, WorkerDiedError, WorkerHungError
+
+COLLECTORS = collector_classes()
+pytestmark = pytest.mark.filterwarnings("ignore:The env passed to Collector is missing transforms")
+
+FIRST_OBS = torch.arange(OBS, dtype=torch.float32)  # a fresh env's first reset: episode 0, t = 0
+
+
+def _children_of(pid_dir: Path, pid: int) -> list[int]:
+    """The DataLoader workers and simulators the worker ``pid`` recorded."""
+    return [
+        int(p.read_text())
+        for p in pid_dir.iterdir()
+        if p.name.split("-")[0] in ("dl", "sim") and f"-{pid}-" in p.name
+    ]
+
+
+def _kill_when(pid_dir: Path, what: str, pid: int) -> threading.Thread:
+    """SIGKILL ``pid`` as soon as it records ``what`` (``stepping``, ``resetting``)."""
+
+    def run() -> None:
+        wait_until(lambda: any(pid_dir.glob(f"{what}-{pid}-*")), f"worker {pid} {what}")
+        os.kill(pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _assert_marked(next_td: Any, slot: int) -> None:
+    """``next_td`` (the "next" of one batch step) holds a marked transition at ``slot``."""
+    assert next_td["worker_restarted"][slot].item() is True
+    assert next_td["done"][slot].item() is True
+    assert next_td["truncated"][slot].item() is True
+    assert next_td["terminated"][slot].item() is False
+    assert next_td["reward"][slot].item() == 0.0
+    assert torch.equal(next_td["observation"][slot], FIRST_OBS)  # the fresh env's reset
+
+
+def _assert_unmarked(next_td: Any, slot: int) -> None:
+    assert next_td["worker_restarted"][slot].item() is False
+    assert next_td["truncated"][slot].item() is False
+
+
+@pytest.fixture
+def captured_warnings(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    caplog.set_level(logging.WARNING, logger="torchrl_ext")
+    yield caplog
+
+
+@pytest.mark.parametrize(
+    "method", [pytest.param("fork", marks=pytest.mark.compat), "forkserver", "spawn", "preloaded"]
+)
+def test_worker_killed_mid_step_is_replaced_and_its_transition_marked(
+    method: str, tmp_path: Path, captured_warnings: pytest.LogCaptureFixture
+) -> None:
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(
+            make_env,
+            loader="persistent",
+            dl_context="fork",
+            subprocess_kind="plain",
+            pid_dir=str(tmp_path),
+            step_sleep=0.05,
+        ),
+        daemon_workers=False,
+        max_restarts=2,
+        **start_kwargs(method),
+    )
+    try:
+        td = env.reset()
+        assert env.done_keys == ["done", "terminated", "truncated", "worker_restarted"]
+        assert not td["worker_restarted"].any()
+        victim = env.worker_pids[1]
+        victim_children = _children_of(tmp_path, victim)
+        assert len(victim_children) == 3  # 2 DataLoader workers, 1 simulator
+        _kill_when(tmp_path, "stepping", victim)
+        out = env.step(env.rand_action(td))  # returns normally
+        nxt = out["next"]
+        _assert_marked(nxt, 1)
+        _assert_unmarked(nxt, 0)
+        # The other slot's data is exactly what it computed: episode 0, step 1.
+        assert torch.equal(nxt["observation"][0], FIRST_OBS + 1)
+        assert nxt["reward"][0].item() == 1.0 and not nxt["done"][0].item()
+        # The dead worker's tree went before its replacement started.
+        assert not [pid for pid in victim_children if pid_alive(pid)]
+        (record,) = env.restarts
+        assert isinstance(record, RestartRecord)
+        assert (record.slot, record.old_pid, record.cause, record.command) == (1, victim, -9, "step")
+        assert record.new_pid == env.worker_pids[1] != victim and record.ready_after >= 0
+        warnings = [r.getMessage() for r in captured_warnings.records if "restarted worker" in r.getMessage()]
+        assert len(warnings) == 1 and str(record) in warnings[0] and "SIGKILL(-9)" in warnings[0]
+        # The slot goes on: the marked slot is done, so a rollout resets it and both run on.
+        rollout = env.rollout(6, break_when_any_done=False)
+        assert not rollout["next", "worker_restarted"].any()
+        assert len(_children_of(tmp_path, env.worker_pids[1])) == 3
+    finally:
+        env.close(raise_if_closed=False)
+    report = env.supervision_report
+    assert report is not None and report.restarts == 1 and report.clean, str(report)
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("method", ["fork", "preloaded"])
+def test_worker_lost_between_calls_marks_the_next_step(method: str) -> None:
+    env = ManagedParallelEnv(3, make_env, daemon_workers=False, max_restarts=1, **start_kwargs(method))
+    try:
+        td = env.reset()
+        _out, td = env.step_and_maybe_reset(env.rand_action(td))
+        victim = env.worker_pids[2]
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: not pid_alive(victim), "the worker is dead")
+        out, root = env.step_and_maybe_reset(env.rand_action(td))
+        _assert_marked(out["next"], 2)
+        for slot in (0, 1):
+            _assert_unmarked(out["next"], slot)
+            assert torch.equal(out["next", "observation"][slot], FIRST_OBS + 2)
+        # The fresh env's reset is the slot's next root observation.
+        assert torch.equal(root["observation"][2], FIRST_OBS)
+        assert not root["worker_restarted"].any() and not root["done"].any()
+        (record,) = env.restarts
+        assert record.slot == 2 and record.old_pid == victim
+        # The mark is cleared at the next step.
+        out, root = env.step_and_maybe_reset(env.rand_action(root))
+        assert not out["next", "worker_restarted"].any()
+        assert torch.equal(out["next", "observation"][2], FIRST_OBS + 1)
+    finally:
+        env.close(raise_if_closed=False)
+
+
+@pytest.mark.parametrize("method", [pytest.param("fork", marks=pytest.mark.compat), "preloaded"])
+def test_reset_in_flight_is_replayed_on_the_replacement(method: str, tmp_path: Path) -> None:
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, pid_dir=str(tmp_path), reset_sleep=0.05),
+        daemon_workers=False,
+        max_restarts=1,
+        **start_kwargs(method),
+    )
+    try:
+        env.start()
+        victim = env.worker_pids[0]
+        _kill_when(tmp_path, "resetting", victim)
+        td = env.reset()  # returns normally: the replacement ran the same reset
+        assert torch.equal(td["observation"], torch.stack([FIRST_OBS, FIRST_OBS]))
+        assert not td["worker_restarted"].any() and not td["done"].any()
+        (record,) = env.restarts
+        assert (record.slot, record.old_pid, record.command) == (0, victim, "reset")
+    finally:
+        env.close(raise_if_closed=False)
+
+
+@pytest.mark.parametrize(
+    "method", [pytest.param("fork", marks=pytest.mark.compat), "forkserver", "spawn", "preloaded"]
+)
+def test_hung_step_is_killed_then_restarted_or_raised(method: str, tmp_path: Path) -> None:
+    hangs = [
+        {},
+        {"step_sleep": 3600.0, "pid_dir": str(tmp_path), "loader": "persistent", "dl_context": "fork"},
+    ]
+    env = ManagedParallelEnv(
+        2,
+        make_env,
+        create_env_kwargs=hangs,
+        daemon_workers=False,
+        max_restarts=1,
+        step_timeout=1.0,
+        **start_kwargs(method),
+    )
+    try:
+        td = env.reset()
+        hung = env.worker_pids[1]
+        hung_children = _children_of(tmp_path, hung)
+        out = env.step(env.rand_action(td))
+        _assert_marked(out["next"], 1)
+        assert torch.equal(out["next", "observation"][0], FIRST_OBS + 1)
+        (record,) = env.restarts
+        assert (record.slot, record.old_pid, record.cause, record.command) == (1, hung, "hung", "step")
+        assert "hung" in str(record)
+        assert not pid_alive(hung) and not [p for p in hung_children if pid_alive(p)]
+        # The replacement hangs too, and the budget is spent: WorkerHungError.
+        with pytest.raises(WorkerHungError) as info:
+            env.step(env.rand_action(out.exclude("next")))
+        err = info.value
+        assert isinstance(err, WorkerDiedError) and err.worker_index == 1 and err.timeout == 1.0
+        assert "step_timeout=1s" in str(err) and "restarts so far (1)" in str(err) and "hung" in str(err)
+        with pytest.raises(WorkerHungError):  # the same error again, at once
+            env.reset()
+    finally:
+        env.close(raise_if_closed=False)
+
+
+@pytest.mark.compat
+def test_hung_step_without_restarts_raises_worker_hung_error() -> None:
+    env = ManagedParallelEnv(
+        2,
+        make_env,
+        create_env_kwargs=[{}, {"step_sleep": 3600.0}],
+        daemon_workers=False,
+        step_timeout=0.5,
+        mp_start_method="fork",
+    )
+    try:
+        td = env.reset()
+        hung = env.worker_pids[1]
+        with pytest.raises(WorkerHungError) as info:
+            env.step(env.rand_action(td))
+        assert (info.value.worker_index, info.value.pid, info.value.last_command) == (1, hung, "step")
+        assert "Raise `step_timeout`" in str(info.value)
+        assert env.restarts == [] and not pid_alive(hung)
+    finally:
+        env.close(raise_if_closed=False)
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("restart_on_error", [False, True])
+def test_env_errors_reraised_unless_restart_on_error(restart_on_error: bool) -> None:
+    env = ManagedParallelEnv(
+        2,
+        make_env,
+        create_env_kwargs=[{}, {"raise_in": "step"}],
+        daemon_workers=False,
+        max_restarts=1,
+        restart_on_error=restart_on_error,
+        mp_start_method="fork",
+    )
+    try:
+        td = env.reset()
+        if not restart_on_error:
+            with pytest.raises(ZeroDivisionError, match="boom in step"):
+                env.step(env.rand_action(td))
+            assert env.restarts == []
+            return
+        out = env.step(env.rand_action(td))
+        _assert_marked(out["next"], 1)
+        (record,) = env.restarts
+        assert (record.slot, record.cause, record.command) == (1, "ZeroDivisionError", "step")
+        # The replacement raises too; no restart left: the env's own error, with its type.
+        with pytest.raises(ZeroDivisionError, match="boom in step") as info:
+            env.step(env.rand_action(out.exclude("next")))
+        assert any("not restarted" in note for note in getattr(info.value, "__notes__", []))
+    finally:
+        env.close(raise_if_closed=False)
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("window", [None, 1e-6])
+def test_restart_window_bounds_the_budget(window: float | None) -> None:
+    env = ManagedParallelEnv(
+        2, make_env, daemon_workers=False, max_restarts=1, restart_window=window, mp_start_method="fork"
+    )
+    try:
+        td = env.reset()
+        for kill in range(2):
+            victim = env.worker_pids[0]
+            os.kill(victim, signal.SIGKILL)
+            wait_until(lambda victim=victim: not pid_alive(victim), "the worker is dead")
+            if kill == 1 and window is None:
+                with pytest.raises(WorkerDiedError) as info:
+                    env.step_and_maybe_reset(env.rand_action(td))
+                message = str(info.value)
+                assert "max_restarts=1 within the env's life" in message and "restarts so far (1)" in message
+                assert str(env.restarts[0]) in message
+                return
+            _out, td = env.step_and_maybe_reset(env.rand_action(td))
+        assert len(env.restarts) == 2  # each loss was alone in its (tiny) window
+    finally:
+        env.close(raise_if_closed=False)
+
+
+def test_restart_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="max_restarts"):
+        ManagedParallelEnv(1, make_env, max_restarts=-1)
+    with pytest.raises(ValueError, match="step_timeout"):
+        ManagedParallelEnv(1, make_env, step_timeout=0)
+    with pytest.raises(ValueError, match="restart_window"):
+        ManagedParallelEnv(1, make_env, restart_window=-2.0)
+    env = ManagedParallelEnv(1, make_env, max_restarts=1, use_buffers=False, mp_start_method="fork")
+    with pytest.raises(ValueError, match="use_buffers"):
+        env.reset()
+
+
+@pytest.mark.compat
+def test_without_restarts_specs_and_errors_are_unchanged() -> None:
+    env = ManagedParallelEnv(2, make_env, daemon_workers=False, mp_start_method="fork")
+    try:
+        assert env.done_keys == ["done", "terminated"]
+        env.reset()
+        os.kill(env.worker_pids[0], signal.SIGKILL)
+        with pytest.raises(WorkerDiedError):
+            env.rollout(50)
+        assert env.restarts == []
+    finally:
+        env.close(raise_if_closed=False)
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("method", ["fork", "preloaded"])
+def test_twenty_restarts_leak_nothing(method: str, tmp_path: Path) -> None:
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(
+            make_env, loader="persistent", dl_context="fork", subprocess_kind="plain", pid_dir=str(tmp_path)
+        ),
+        daemon_workers=False,
+        max_restarts=20,
+        **start_kwargs(method),
+    )
+    td = env.reset()
+    _out, td = env.step_and_maybe_reset(env.rand_action(td))
+    fds, threads, shm = fd_count(), threading.active_count(), shm_entries()
+    lost: list[int] = []
+    try:
+        for cycle in range(20):
+            victim = env.worker_pids[cycle % 2]
+            lost += [victim, *_children_of(tmp_path, victim)]
+            os.kill(victim, signal.SIGKILL)
+            _out, td = env.step_and_maybe_reset(env.rand_action(td))
+        assert len(env.restarts) == 20
+        assert not [pid for pid in lost if pid_alive(pid)]
+        # No descriptor, thread or /dev/shm entry per restart (the supervisor closes a retired
+        # worker's pidfd in its own thread: poll).
+        wait_until(lambda: fd_count() <= fds + 2, f"fds back to {fds} (now {fd_count()})")
+        assert threading.active_count() <= threads + 1
+        assert_no_shm_growth(shm, cycles=20)
+        me = psutil.Process()
+        assert not [c for c in me.children(recursive=True) if c.status() == psutil.STATUS_ZOMBIE]
+    finally:
+        env.close(raise_if_closed=False)
+    assert env.supervision_report is not None and env.supervision_report.restarts == 20
+
+
+@pytest.mark.compat
+def test_set_seed_after_a_loss_seeds_the_replacement() -> None:
+    env = ManagedParallelEnv(2, make_env, daemon_workers=False, max_restarts=1, mp_start_method="fork")
+    try:
+        env.set_seed(3)  # ToyEnv: a seed picks the first episode
+        reference = env.reset()
+        os.kill(env.worker_pids[1], signal.SIGKILL)
+        env.set_seed(3)  # the worker's loss shows up here: replaced, then every worker seeded again
+        td = env.reset()
+        assert len(env.restarts) == 1
+        assert torch.equal(td["observation"], reference["observation"])
+    finally:
+        env.close(raise_if_closed=False)
+
+
+# --------------------------------------------------------------------------- collectors
+def _die_once(tmp_path: Path, at_step: int) -> dict[str, Any]:
+    return {"die_once_at_step": at_step, "die_flag": str(tmp_path / f"die-{at_step}")}
+
+
+@pytest.mark.compat
+def test_single_process_collector_never_sees_the_loss(tmp_path: Path) -> None:
+    env = make_managed_env(
+        num_workers=2,
+        loader="persistent",
+        max_restarts=2,
+        create_env_kwargs=[{}, _die_once(tmp_path, 7)],
+    )
+    collector = COLLECTORS["single"](env, make_policy(), frames_per_batch=20, total_frames=60)
+    batches = list(collector)
+    collector.shutdown()
+    assert [tuple(b.shape) for b in batches] == [(2, 10)] * 3
+    data = torch.cat(batches, dim=-1)
+    marked = data["next", "worker_restarted"].squeeze(-1)
+    assert marked.sum().item() == 1 and marked[1].any() and not marked[0].any()
+    assert (data["next", "done"].squeeze(-1) | ~marked).all() and not data["next", "terminated"][marked].any()
+    # Slot 0 ran undisturbed: one trajectory of 30 steps.
+    assert check_toy_batch(data[:1], first=True) == 5
+    assert len(env.restarts) == 1
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("kind", ["multisync", "multiasync"])
+def test_multi_collectors_never_see_the_loss(kind: str, tmp_path: Path, restore_start_method: None) -> None:
+    env_fn = functools.partial(
+        make_managed_env,
+        num_workers=2,
+        loader="persistent",
+        max_restarts=2,
+        create_env_kwargs=[{}, _die_once(tmp_path, 4)],
+    )
+    collector = COLLECTORS[kind]([env_fn, env_fn], make_policy(), frames_per_batch=40, total_frames=160)
+    try:
+        batches = list(collector)
+    finally:
+        collector.shutdown()
+        for proc in collector.procs:
+            proc.join(timeout=10)
+    assert sum(b.numel() for b in batches) == 160
+    marked = sum(int(b["next", "worker_restarted"].sum()) for b in batches)
+    assert marked == 1  # one die flag for both collector workers: exactly one loss
+    assert (tmp_path / "die-4").exists()
+
+
+# --------------------------------------------------------------------------- chaos
+def test_chaos_sigkill_every_two_seconds_under_a_collector(tmp_path: Path) -> None:
+    """4 workers, each with a DataLoader(num_workers=2) and a simulator; a random worker is
+    SIGKILLed every 2 s for 60 s while a collector runs. Every frame is delivered, every kill
+    is one restart, and every marked transition is a restarted slot's."""
+    env = make_managed_env(
+        num_workers=4,
+        loader="persistent",
+        subprocess_kind="plain",
+        pid_dir=str(tmp_path),
+        method=None,
+        max_restarts=1000,
+    )
+    collector = COLLECTORS["single"](env, make_policy(), frames_per_batch=64, total_frames=-1)
+    stop = threading.Event()
+    kills: list[tuple[int, int]] = []
+    killed_trees: list[int] = []
+    rng = random.Random(0)
+
+    def chaos() -> None:
+        while not stop.wait(2.0):  # the chaos cadence, not a synchronisation
+            if len(kills) >= 30:
+                return
+            slot = rng.randrange(4)
+            pid = env.worker_pids[slot]
+            try:
+                proc = psutil.Process(pid)
+                killed_trees.extend([pid, *_children_of(tmp_path, pid)])
+                proc.kill()
+            except psutil.Error:
+                continue
+            kills.append((slot, pid))
+
+    monkey = threading.Thread(target=chaos, daemon=True)
+    batches = []
+    try:
+        monkey.start()
+        # Restarts happen in this thread, inside the collector's steps: once every kill has
+        # its restart, every marked step is in a batch already yielded.
+        for batch in collector:
+            batches.append(batch)
+            if not monkey.is_alive() and len(env.restarts) >= len(kills):
+                break
+    finally:
+        stop.set()
+        monkey.join()
+        collector.shutdown()
+    assert len(kills) == 30
+    assert all(b.shape == batches[0].shape and b.numel() == 64 for b in batches)
+    assert len(env.restarts) == len(kills)
+    assert [(r.slot, r.old_pid) for r in env.restarts] == kills
+    data = torch.cat(batches, dim=-1)
+    marked = data["next", "worker_restarted"].squeeze(-1)
+    # One mark per kill, in the killed slot (a kill that lands while the slot's replacement is
+    # still starting adds a restart but no second mark).
+    per_slot = marked.sum(-1).tolist()
+    for slot in range(4):
+        assert 1 <= per_slot[slot] <= sum(1 for s, _ in kills if s == slot) or not any(
+            s == slot for s, _ in kills
+        )
+    assert int(marked.sum()) >= len(kills) - 2
+    assert data["next", "done"].squeeze(-1)[marked].all()
+    assert not data["next", "terminated"].squeeze(-1)[marked].any()
+    assert not [pid for pid in killed_trees if pid_alive(pid)]
