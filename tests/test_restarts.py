@@ -437,6 +437,7 @@ def test_chaos_sigkill_every_two_seconds_under_a_collector(tmp_path: Path) -> No
         method=None,
         max_restarts=1000,
     )
+    assert env.start_method == "preloaded"
     collector = COLLECTORS["single"](env, make_policy(), frames_per_batch=64, total_frames=-1)
     stop = threading.Event()
     kills: list[tuple[int, int]] = []

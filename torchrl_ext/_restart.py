@@ -53,8 +53,8 @@ class RestartRecord:
     Example:
         >>> r = RestartRecord(slot=1, old_pid=41, new_pid=42, cause=-9, command="step",
         ...                   time=0.0, ready_after=0.05)
-        >>> str(r)
-        'slot 1: pid 41 -> 42 after SIGKILL(-9) during \\'step\\'; ready in 0.050s'
+        >>> print(r)
+        slot 1: pid 41 -> 42 after SIGKILL(-9) during 'step'; ready in 0.050s
     """
 
     slot: int
