@@ -46,6 +46,7 @@ def _build(args: argparse.Namespace) -> ManagedParallelEnv:
         daemon_workers=False,
         mp_start_method=None if args.method == "preloaded" else args.method,
         shutdown_timeout=args.shutdown_timeout,
+        max_restarts=args.max_restarts,
     )
 
 
@@ -81,6 +82,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--shutdown-timeout", type=float, default=5.0)
     parser.add_argument("--pid-dir", default=None)
+    parser.add_argument("--max-restarts", type=int, default=0)
     parser.add_argument("--hold-gil", action="store_true")
     parser.add_argument(
         "--hang-loader-start", action="store_true", help="DataLoader workers never finish starting"
@@ -188,6 +190,14 @@ def main() -> int:
         for child in psutil.Process().children():
             child.kill()
         os._exit(1)
+    if args.name == "restart_then_rollout_forever":
+        # A worker is lost and replaced first: the reaper and the sweep must know the new one.
+        lost = ENV.worker_pids[1]
+        os.kill(lost, signal.SIGKILL)
+        ENV.rollout(3, break_when_any_done=False)
+        _ready(args.ready, workers=ENV.worker_pids, lost=lost, restarts=len(ENV.restarts))
+        while True:
+            ENV.rollout(50, break_when_any_done=False)
     if args.name in ("rollout_forever", "user_handler"):
         _ready(args.ready, workers=ENV.worker_pids)
         while True:

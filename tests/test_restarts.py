@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.collector_scenarios import check_toy_batch, collector_classes, make_managed_env, make_policy
-from tests.conftest import fd_count, pid_alive, shm_entries, start_kwargs
+from tests.conftest import Scenario, fd_count, pid_alive, shm_entries, start_kwargs
 from tests.envs import OBS, make_env
 from tests.polling import wait_until
 from tests.test_faults import assert_no_shm_growth
@@ -489,3 +489,38 @@ def test_chaos_sigkill_every_two_seconds_under_a_collector(tmp_path: Path) -> No
     assert data["next", "done"].squeeze(-1)[marked].all()
     assert not data["next", "terminated"].squeeze(-1)[marked].any()
     assert not [pid for pid in killed_trees if pid_alive(pid)]
+
+
+# --------------------------------------------------------------------------- the main process dies
+@pytest.mark.compat
+@pytest.mark.parametrize("method", ["fork", "preloaded"])
+def test_sigkill_of_main_after_a_restart_leaves_nothing(
+    scenario: Scenario, tmp_path: Path, method: str
+) -> None:
+    """The replacement (and its DataLoader workers and simulator) is known to the reaper: a
+    SIGKILLed main process leaves nothing of it."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    scenario.start(
+        "restart_then_rollout_forever",
+        "--method",
+        method,
+        "--subprocess",
+        "setsid",
+        "--pid-dir",
+        str(pid_dir),
+        "--max-restarts",
+        "2",
+    )
+    ready = scenario.wait_ready(timeout=240)
+    assert ready["restarts"] == 1 and ready["lost"] not in ready["workers"]
+    replacement = ready["workers"][1]
+    assert len(_children_of(pid_dir, replacement)) == 3
+    os.kill(ready["pid"], signal.SIGKILL)
+    result = scenario.finish(timeout=120)
+    assert result.returncode == -signal.SIGKILL
+    assert not result.leaked, f"processes outlived the main process: {result.leaked}"
+    assert set(ready["workers"]) <= {s["pid"] for s in result.seen_before_death}
+    everything = [int(p.read_text()) for p in pid_dir.iterdir() if p.name.split("-")[0] in ("dl", "sim")]
+    assert len(everything) == 3 * 3  # 2 first workers and 1 replacement, 3 children each
+    assert not [pid for pid in everything if pid_alive(pid)]

@@ -40,6 +40,7 @@ __all__ = [
     "ScopedPatch",
     "SupervisedWorkers",
     "install_fault_check",
+    "is_worker_entry",
     "managed_worker_targets",
     "worker_context",
 ]
@@ -197,6 +198,11 @@ class _ManagedEntry:
             # The child resolves TorchRL's function by name, as upstream's pickled target does.
             return (_rebuild_entry, (self._name, None))
         return (_rebuild_entry, (self._name, previous))
+
+
+def is_worker_entry(target: Any) -> bool:
+    """Whether ``target`` is the target of a managed env's worker process."""
+    return isinstance(target, _ManagedEntry)
 
 
 def _rebuild_entry(name: str, previous: Callable[..., Any] | None) -> _ManagedEntry:

@@ -29,6 +29,7 @@ from ._compat import (
     ConfiguredKwargs,
     SupervisedWorkers,
     install_fault_check,
+    is_worker_entry,
     managed_worker_targets,
     worker_context,
 )
@@ -500,7 +501,15 @@ class ManagedParallelEnv(ParallelEnv):
             self.create_env_kwargs = user_kwargs
         processes: list[Any] = self._workers
         channels: list[Any] = self.parent_channels
-        state.templates = list(started)
+        # The worker processes TorchRL built, in slot order (nothing else this thread started).
+        state.templates = [p for p in started if is_worker_entry(getattr(p, "_target", None))]
+        if state.max_restarts > 0 and len(state.templates) != len(processes):
+            self._abort_start(supervisor, RuntimeError("restarts: worker processes not recorded"))
+            raise RuntimeError(
+                f"torchrl_ext could not record the {len(processes)} worker processes TorchRL started "
+                f"(found {len(state.templates)}); restarts cannot work with this TorchRL release. "
+                "Pass max_restarts=0, and please report this."
+            )
         state.worker_ctx = context or multiprocessing.get_context(_start_method(self._mp_start_method))
         state.marked = set()
         supervisor.restartable = state.max_restarts > 0
@@ -573,7 +582,7 @@ class ManagedParallelEnv(ParallelEnv):
         state: _ManagedState = self.__dict__["_trx"]
         if state.marked:
             for slot in state.marked:
-                clear_marks(self.shared_tensordicts[slot], state.mark_keys)
+                clear_marks(self._owner().shared_tensordicts[slot], state.mark_keys)
             state.marked = set()
         if supervisor.lost:
             self._handle_losses(supervisor, in_flight=())
@@ -677,10 +686,11 @@ class ManagedParallelEnv(ParallelEnv):
         process.start()
         child_pipe.close()
         channel = supervisor.replace(slot, process, parent_pipe)
-        self._workers[slot] = process
-        self.parent_channels[slot] = channel
-        if self.__dict__.get("_events") is not None:
-            self._events[slot] = event
+        owner = self._owner()  # a view (TorchRL >= 0.14) shares these lists with its owner
+        owner._workers[slot] = process
+        owner.parent_channels[slot] = channel
+        if owner.__dict__.get("_events") is not None:
+            owner._events[slot] = event
         state.worker_pids[slot] = process.pid
         # TorchRL's handshake: the worker says it built its env, then is sent "init". Building
         # the env is not a command: step_timeout does not apply (a spawned worker imports torch).
@@ -695,25 +705,31 @@ class ManagedParallelEnv(ParallelEnv):
         limit = state.step_timeout if state.step_timeout is not None else self.BATCHED_PIPE_TIMEOUT
         self._await(supervisor, slot, lambda: self._slot_answered(slot), limit)
 
+    def _owner(self) -> Any:
+        """The env that owns the workers: ``self``, or the parent of an indexed view."""
+        return self.__dict__.get("_parent_env") or self
+
     def _slot_answered(self, slot: int) -> bool:
-        flags = self.__dict__.get("_shm_done_flags")
+        owner = self._owner()
+        flags = owner.__dict__.get("_shm_done_flags")
         if flags is not None:
             if flags[slot]:
                 flags[slot] = 0
                 return True
             return False
-        event = self._events[slot]
+        event = owner._events[slot]
         if event.is_set():
             event.clear()
             return True
         return False
 
     def _slot_done(self, slot: int) -> None:
-        flags = self.__dict__.get("_shm_done_flags")
+        owner = self._owner()
+        flags = owner.__dict__.get("_shm_done_flags")
         if flags is not None:
             flags[slot] = 1
         else:
-            self._events[slot].set()
+            owner._events[slot].set()
 
     def _await(
         self,
@@ -753,7 +769,9 @@ class ManagedParallelEnv(ParallelEnv):
 
     def _mark(self, slot: int) -> None:
         state: _ManagedState = self.__dict__["_trx"]
-        mark_transition(self.shared_tensordicts[slot], self._env_obs_keys, self.reward_keys, self.done_keys)
+        owner = self._owner()
+        slot_td = owner.shared_tensordicts[slot]
+        mark_transition(slot_td, owner._env_obs_keys, owner.reward_keys, owner.done_keys)
         state.marked.add(slot)
         self._slot_done(slot)
 
@@ -802,7 +820,8 @@ class ManagedParallelEnv(ParallelEnv):
             except _Hung:
                 assert step_timeout is not None
                 for slot in slots:
-                    if not (flags[slot] if flags is not None else self._events[slot].is_set()):
+                    answered = flags[slot] if flags is not None else self._events[slot].is_set()
+                    if not answered and not supervisor.worker(slot).finished:  # dead ones are lost already
                         worker = supervisor.kill_hung(slot, step_timeout)
                         self._await_loss(supervisor, worker)
                 self._handle_losses(supervisor, in_flight=slots)
