@@ -34,6 +34,17 @@ pytestmark = pytest.mark.filterwarnings("ignore:The env passed to Collector is m
 
 FIRST_OBS = torch.arange(OBS, dtype=torch.float32)  # a fresh env's first reset: episode 0, t = 0
 
+#: Longer than any reset of the test envs takes on a loaded 2-core machine (it bounds resets too).
+STEP_TIMEOUT = 2.0
+
+#: Every start; on TorchRL 0.10.1 (the compat suite) the two that import no torch per worker.
+ALL_STARTS = [
+    pytest.param("fork", marks=pytest.mark.compat),
+    "forkserver",
+    "spawn",
+    pytest.param("preloaded", marks=pytest.mark.compat),
+]
+
 
 def _children_of(pid_dir: Path, pid: int) -> list[int]:
     """The DataLoader workers and simulators the worker ``pid`` recorded."""
@@ -130,8 +141,7 @@ def test_worker_killed_mid_step_is_replaced_and_its_transition_marked(
     assert report is not None and report.restarts == 1 and report.clean, str(report)
 
 
-@pytest.mark.compat
-@pytest.mark.parametrize("method", ["fork", "preloaded"])
+@pytest.mark.parametrize("method", ALL_STARTS)
 def test_worker_lost_between_calls_marks_the_next_step(method: str) -> None:
     env = ManagedParallelEnv(3, make_env, daemon_workers=False, max_restarts=1, **start_kwargs(method))
     try:
@@ -158,7 +168,7 @@ def test_worker_lost_between_calls_marks_the_next_step(method: str) -> None:
         env.close(raise_if_closed=False)
 
 
-@pytest.mark.parametrize("method", [pytest.param("fork", marks=pytest.mark.compat), "preloaded"])
+@pytest.mark.parametrize("method", ALL_STARTS)
 def test_reset_in_flight_is_replayed_on_the_replacement(method: str, tmp_path: Path) -> None:
     env = ManagedParallelEnv(
         2,
@@ -184,17 +194,16 @@ def test_reset_in_flight_is_replayed_on_the_replacement(method: str, tmp_path: P
     "method", [pytest.param("fork", marks=pytest.mark.compat), "forkserver", "spawn", "preloaded"]
 )
 def test_hung_step_is_killed_then_restarted_or_raised(method: str, tmp_path: Path) -> None:
-    hangs = [
-        {},
-        {"step_sleep": 3600.0, "pid_dir": str(tmp_path), "loader": "persistent", "dl_context": "fork"},
-    ]
+    # The hung worker holds a simulator (started in __init__: a reset, which step_timeout bounds
+    # too, stays fast on a loaded machine).
+    hangs = [{}, {"step_sleep": 3600.0, "pid_dir": str(tmp_path), "subprocess_kind": "plain"}]
     env = ManagedParallelEnv(
         2,
         make_env,
         create_env_kwargs=hangs,
         daemon_workers=False,
         max_restarts=1,
-        step_timeout=1.0,
+        step_timeout=STEP_TIMEOUT,
         **start_kwargs(method),
     )
     try:
@@ -207,13 +216,18 @@ def test_hung_step_is_killed_then_restarted_or_raised(method: str, tmp_path: Pat
         (record,) = env.restarts
         assert (record.slot, record.old_pid, record.cause, record.command) == (1, hung, "hung", "step")
         assert "hung" in str(record)
+        assert len(hung_children) == 1
         assert not pid_alive(hung) and not [p for p in hung_children if pid_alive(p)]
         # The replacement hangs too, and the budget is spent: WorkerHungError.
         with pytest.raises(WorkerHungError) as info:
             env.step(env.rand_action(out.exclude("next")))
         err = info.value
-        assert isinstance(err, WorkerDiedError) and err.worker_index == 1 and err.timeout == 1.0
-        assert "step_timeout=1s" in str(err) and "restarts so far (1)" in str(err) and "hung" in str(err)
+        assert isinstance(err, WorkerDiedError) and err.worker_index == 1 and err.timeout == STEP_TIMEOUT
+        assert (
+            f"step_timeout={STEP_TIMEOUT:g}s" in str(err)
+            and "restarts so far (1)" in str(err)
+            and "hung" in str(err)
+        )
         with pytest.raises(WorkerHungError):  # the same error again, at once
             env.reset()
     finally:
@@ -227,7 +241,7 @@ def test_hung_step_without_restarts_raises_worker_hung_error() -> None:
         make_env,
         create_env_kwargs=[{}, {"step_sleep": 3600.0}],
         daemon_workers=False,
-        step_timeout=0.5,
+        step_timeout=STEP_TIMEOUT,
         mp_start_method="fork",
     )
     try:
@@ -242,9 +256,17 @@ def test_hung_step_without_restarts_raises_worker_hung_error() -> None:
         env.close(raise_if_closed=False)
 
 
-@pytest.mark.compat
-@pytest.mark.parametrize("restart_on_error", [False, True])
-def test_env_errors_reraised_unless_restart_on_error(restart_on_error: bool) -> None:
+@pytest.mark.parametrize(
+    ("restart_on_error", "method"),
+    [
+        pytest.param(False, "fork", marks=pytest.mark.compat),
+        pytest.param(True, "fork", marks=pytest.mark.compat),
+        (True, "forkserver"),
+        (True, "spawn"),
+        pytest.param(True, "preloaded", marks=pytest.mark.compat),
+    ],
+)
+def test_env_errors_reraised_unless_restart_on_error(restart_on_error: bool, method: str) -> None:
     env = ManagedParallelEnv(
         2,
         make_env,
@@ -252,7 +274,7 @@ def test_env_errors_reraised_unless_restart_on_error(restart_on_error: bool) -> 
         daemon_workers=False,
         max_restarts=1,
         restart_on_error=restart_on_error,
-        mp_start_method="fork",
+        **start_kwargs(method),
     )
     try:
         td = env.reset()
@@ -324,8 +346,7 @@ def test_without_restarts_specs_and_errors_are_unchanged() -> None:
         env.close(raise_if_closed=False)
 
 
-@pytest.mark.compat
-@pytest.mark.parametrize("method", ["fork", "preloaded"])
+@pytest.mark.parametrize("method", ALL_STARTS)
 def test_twenty_restarts_leak_nothing(method: str, tmp_path: Path) -> None:
     env = ManagedParallelEnv(
         2,
