@@ -545,3 +545,24 @@ def test_sigkill_of_main_after_a_restart_leaves_nothing(
     everything = [int(p.read_text()) for p in pid_dir.iterdir() if p.name.split("-")[0] in ("dl", "sim")]
     assert len(everything) == 3 * 3  # 2 first workers and 1 replacement, 3 children each
     assert not [pid for pid in everything if pid_alive(pid)]
+
+
+def test_loss_seen_through_an_indexed_view_marks_once() -> None:
+    """TorchRL >= 0.14 views share their owner's workers: a loss handled by a view's call is
+    marked in that call only, and the owner's next step is unmarked."""
+    env = ManagedParallelEnv(3, make_env, daemon_workers=False, max_restarts=1, mp_start_method="fork")
+    try:
+        td = env.reset()
+        view = env[1:3]
+        assert view.done_keys == env.done_keys
+        vtd = view.reset()
+        os.kill(env.worker_pids[2], signal.SIGKILL)
+        out, vtd = view.step_and_maybe_reset(view.rand_action(vtd))
+        assert out["next", "worker_restarted"].squeeze(-1).tolist() == [False, True]
+        assert torch.equal(out["next", "observation"][1], FIRST_OBS)
+        out, td = env.step_and_maybe_reset(env.rand_action(td))
+        assert not out["next", "worker_restarted"].any()
+        assert torch.equal(out["next", "observation"][2], FIRST_OBS + 1)
+        assert [r.slot for r in env.restarts] == [2]
+    finally:
+        env.close(raise_if_closed=False)

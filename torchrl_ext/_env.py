@@ -38,7 +38,6 @@ from ._errors import DaemonicParentError, WorkerDiedError, WorkerHungError
 from ._metadata import metadata_in_subprocess as metadata_in_subprocess_ctx
 from ._report import SupervisionReport
 from ._restart import (
-    RESTARTED_KEY,
     RestartBudget,
     RestartRecord,
     add_restart_keys,
@@ -437,7 +436,8 @@ class ManagedParallelEnv(ParallelEnv):
         state: _ManagedState | None = self.__dict__.get("_trx")
         if state is not None and state.max_restarts > 0:
             added = add_restart_keys(self)
-            state.mark_keys = [key for key in (RESTARTED_KEY, "truncated") if key in added]
+            if self._owns_workers_():  # a view's keys are its owner's
+                state.mark_keys = added
 
     # ------------------------------------------------------------------ start
     def _start_workers(self) -> None:

@@ -149,9 +149,13 @@ def copy_unstarted(template: Any, kwargs: dict[str, Any]) -> Any:
 
 
 # --------------------------------------------------------------------------- specs and marks
-def add_restart_keys(env: Any) -> list[Any]:
+def add_restart_keys(env: Any) -> list[str]:
     """Add ``truncated`` (if missing) and :data:`RESTARTED_KEY` to a batched env's done spec and
-    shared-buffer template, shaped like its root ``done``. Returns the keys added."""
+    shared-buffer template, shaped like its root ``done``. Returns the keys added.
+
+    The spec and the template are replaced by extended copies: TorchRL shares them with the
+    env's metadata (and so with indexed views), which must keep describing the workers' env.
+    """
     done_spec = env.output_spec["full_done_spec"]
     names = list(done_spec.keys())
     if "done" not in names:
@@ -159,20 +163,24 @@ def add_restart_keys(env: Any) -> list[Any]:
             "max_restarts needs a root 'done' entry in the env's done spec to mark restarted "
             f"transitions; this env's done keys are {list(done_spec.keys(True, True))}"
         )
-    added = []
-    template = env.__dict__.get("_env_tensordict")
+    added = [name for name in ("truncated", RESTARTED_KEY) if name not in names]
+    if not added:
+        return added
+    extended = done_spec.clone()
+    for name in added:
+        extended[name] = done_spec["done"].clone()
     with _unlocked(env.output_spec):
-        for name in ("truncated", RESTARTED_KEY):
-            if name in names:
-                continue
-            env.output_spec["full_done_spec", name] = done_spec["done"].clone()
-            added.append(name)
-            if template is not None:
-                for key in (name, ("next", name)):
-                    like = template.get(("next", "done") if isinstance(key, tuple) else "done", None)
-                    if like is None:
-                        like = template.get(("next", "done"))
-                    template.set(key, torch.zeros_like(like))
+        env.output_spec["full_done_spec"] = extended
+    template = env.__dict__.get("_env_tensordict")
+    if template is not None:
+        template = template.clone()
+        for name in added:
+            for key in (name, ("next", name)):
+                like = template.get(("next", "done") if isinstance(key, tuple) else "done", None)
+                if like is None:
+                    like = template.get(("next", "done"))
+                template.set(key, torch.zeros_like(like))
+        env.__dict__["_env_tensordict"] = template
     return added
 
 
