@@ -58,6 +58,7 @@ class ToyEnv(EnvBase):
         reset_sleep: float = 0.0,
         die_once_at_step: int | None = None,
         die_flag: str | None = None,
+        die_in_init_if: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(batch_size=torch.Size([]), **kwargs)
@@ -65,6 +66,11 @@ class ToyEnv(EnvBase):
             self.register_buffer("offset", torch.zeros(OBS))
         if raise_in == "init" or (raise_in == "init_in_worker" and self._in_worker()):
             raise ValueError("boom in __init__")
+        # Armed (the file exists): a worker built from now on dies while building its env, once
+        # per ``die_flag`` file if one is given, else every time.
+        armed = bool(die_in_init_if) and self._in_worker() and os.path.exists(str(die_in_init_if))
+        if armed and (die_flag is None or _claim(die_flag)):
+            os.kill(os.getpid(), signal.SIGKILL)
         self.loader_kind = loader
         self.dl_workers = dl_workers
         self.dl_context = dl_context
@@ -192,15 +198,9 @@ class ToyEnv(EnvBase):
         if self.raise_in == "step":
             raise ZeroDivisionError("boom in step")
         self._steps += 1
-        if self.die_flag and self._steps == self.die_once_at_step and self._in_worker():
-            try:
-                fd = os.open(self.die_flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                pass  # another incarnation died here already
-            else:
-                os.write(fd, str(os.getpid()).encode())
-                os.close(fd)
-                os.kill(os.getpid(), signal.SIGKILL)
+        due = self.die_flag and self._steps == self.die_once_at_step and self._in_worker()
+        if due and _claim(str(self.die_flag)):  # else another incarnation died here already
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.hold_gil:
             if self.pid_dir:
                 self._record("stepping", os.getpid())
@@ -242,6 +242,17 @@ class ToyEnv(EnvBase):
         self._iter = None
         self._loader = None
         super().close(*args, **kwargs)
+
+
+def _claim(path: str) -> bool:
+    """Create ``path`` with this process's pid in it; False if it exists already."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    return True
 
 
 def _loader_worker_starts(pid_dir: str, env_worker: int, worker_id: int) -> None:

@@ -55,12 +55,13 @@ def _children_of(pid_dir: Path, pid: int) -> list[int]:
     ]
 
 
-def _kill_when(pid_dir: Path, what: str, pid: int) -> threading.Thread:
-    """SIGKILL ``pid`` as soon as it records ``what`` (``stepping``, ``resetting``)."""
+def _kill_when(pid_dir: Path, what: str, pid: int, victim: int | None = None) -> threading.Thread:
+    """SIGKILL ``victim`` (default: ``pid``) as soon as ``pid`` records ``what`` (``stepping``,
+    ``resetting``)."""
 
     def run() -> None:
         wait_until(lambda: any(pid_dir.glob(f"{what}-{pid}-*")), f"worker {pid} {what}")
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid if victim is None else victim, signal.SIGKILL)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -560,9 +561,120 @@ def test_loss_seen_through_an_indexed_view_marks_once() -> None:
         out, vtd = view.step_and_maybe_reset(view.rand_action(vtd))
         assert out["next", "worker_restarted"].squeeze(-1).tolist() == [False, True]
         assert torch.equal(out["next", "observation"][1], FIRST_OBS)
+        # The view talks to the replacement too (it has lists of its own).
+        out, vtd = view.step_and_maybe_reset(view.rand_action(vtd))
+        assert not out["next", "worker_restarted"].any()
+        assert torch.equal(out["next", "observation"][1], FIRST_OBS + 1)
         out, td = env.step_and_maybe_reset(env.rand_action(td))
         assert not out["next", "worker_restarted"].any()
-        assert torch.equal(out["next", "observation"][2], FIRST_OBS + 1)
+        assert torch.equal(out["next", "observation"][2], FIRST_OBS + 2)
         assert [r.slot for r in env.restarts] == [2]
+    finally:
+        env.close(raise_if_closed=False)
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("method", ["fork", "preloaded"])
+def test_worker_that_answered_then_died_is_marked_and_later_steps_are_in_step(
+    method: str, tmp_path: Path
+) -> None:
+    """Worker 0 answers its step and is killed while worker 1 is still stepping: its done flag
+    was set by the dead worker, and must not make the next waits return early."""
+    kwargs = [{}, {"step_sleep": 0.3, "pid_dir": str(tmp_path)}]
+    env = ManagedParallelEnv(
+        2, make_env, create_env_kwargs=kwargs, daemon_workers=False, max_restarts=1, **start_kwargs(method)
+    )
+    try:
+        td = env.reset()
+        _kill_when(tmp_path, "stepping", env.worker_pids[1], victim=env.worker_pids[0])
+        out, td = env.step_and_maybe_reset(env.rand_action(td))
+        _assert_marked(out["next"], 0)
+        assert torch.equal(td["observation"][0], FIRST_OBS)
+        for t in range(1, 4):
+            out, td = env.step_and_maybe_reset(env.rand_action(td))
+            assert not out["next", "worker_restarted"].any()
+            assert torch.equal(out["next", "observation"][0], FIRST_OBS + t)
+            assert torch.equal(out["next", "observation"][1], FIRST_OBS + t + 1)
+            assert out["next", "reward"][0].item() == 1.0
+    finally:
+        env.close(raise_if_closed=False)
+
+
+@pytest.mark.compat
+def test_calls_answered_on_the_pipes_stay_in_step_after_a_loss() -> None:
+    """A loss during ``state_dict()`` (answers come back on the pipes) leaves no answer of it
+    for a later call to read: ``set_seed`` and forwarded attributes get their own answers."""
+    env = ManagedParallelEnv(
+        2, make_env, daemon_workers=False, max_restarts=2, shutdown_timeout=2.0, mp_start_method="fork"
+    )
+    try:
+        env.reset()
+        os.kill(env.worker_pids[0], signal.SIGKILL)
+        try:  # the loss is seen before the call (restarted first) or during it (raised)
+            env.state_dict()
+        except WorkerDiedError:
+            pass
+        env.rollout(3)
+        assert len(env.restarts) == 1
+        assert env.set_seed(1) == env.set_seed(1)
+        assert list(env.step_sleep) == [0.0, 0.0]  # forwarded to the workers
+    finally:
+        env.close(raise_if_closed=False)
+
+
+@pytest.mark.compat
+def test_load_state_dict_never_returns_normally_without_reaching_every_worker() -> None:
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, offset=True),
+        daemon_workers=False,
+        max_restarts=2,
+        shutdown_timeout=2.0,  # TorchRL >= 0.13 waits this long for a lost worker's answer
+        mp_start_method="fork",
+    )
+    try:
+        env.reset()
+        state = env.state_dict()
+        for worker in state.values():
+            worker["offset"] = torch.full((OBS,), 7.0)
+        os.kill(env.worker_pids[1], signal.SIGKILL)
+        try:  # the loss is seen before the call (replaced first) or during it (raised)
+            env.load_state_dict(state)
+        except WorkerDiedError:
+            env.load_state_dict(state)  # the slot is replaced first
+        assert len(env.restarts) == 1
+        assert all(torch.equal(w["offset"], torch.full((OBS,), 7.0)) for w in env.state_dict().values())
+    finally:
+        env.close(raise_if_closed=False)
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("persistent", [False, True])
+def test_replacement_dying_while_it_builds_its_env(persistent: bool, tmp_path: Path) -> None:
+    """A replacement that dies before TorchRL's handshake is a loss like any other: replaced
+    again (within the budget), and never an endless loop, however short the window."""
+    armed = tmp_path / "armed"
+    die = {"die_in_init_if": str(armed), "die_flag": None if persistent else str(tmp_path / "died")}
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, **die),
+        daemon_workers=False,
+        max_restarts=2,
+        restart_window=1e-6,
+        mp_start_method="fork",
+    )
+    try:
+        td = env.reset()
+        armed.touch()
+        victim = env.worker_pids[1]
+        os.kill(victim, signal.SIGKILL)
+        if persistent:
+            with pytest.raises(WorkerDiedError, match="2 replacement\\(s\\) in a row were lost"):
+                env.step(env.rand_action(td))
+            return
+        out = env.step(env.rand_action(td))
+        _assert_marked(out["next"], 1)
+        (record,) = env.restarts  # the replacement that died while building has no record
+        assert record.old_pid != victim and record.old_pid == int((tmp_path / "died").read_text())
     finally:
         env.close(raise_if_closed=False)

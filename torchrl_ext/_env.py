@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
@@ -46,7 +48,7 @@ from ._restart import (
     mark_transition,
     recording_starts,
 )
-from ._supervisor import WorkerSupervisor
+from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor
 from ._tag import Tag, new_env_tag
 from ._worker import WorkerConfig
 
@@ -54,12 +56,14 @@ __all__ = ["ManagedParallelEnv"]
 
 log = logging.getLogger("torchrl_ext")
 
-#: How long a closed pipe may precede the death of its worker becoming visible.
-LOST_PIPE_WAIT = 1.0
 #: Longest pause between checks while a replacement starts or resets.
 _POLL_SLICE = 0.02
 #: How long the supervisor may take to handle a worker's exit (its tree's SIGKILL included).
 _LOSS_WAIT = 10.0
+
+
+#: Worker kwargs made anew for each replacement (TorchRL's names).
+_PER_START = frozenset({"parent_pipe", "child_pipe", "mp_event"})
 
 
 class _Lost(Exception):
@@ -142,6 +146,8 @@ class _ManagedState:
         #: Done entries only restarts write, and the slots whose "next" holds a mark.
         self.mark_keys: list[str] = []
         self.marked: set[int] = set()
+        #: Indexed views of this env (weak references; see ``_envs_of_slot``).
+        self.views: list[weakref.ref[Any]] = []
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (
@@ -503,6 +509,8 @@ class ManagedParallelEnv(ParallelEnv):
         channels: list[Any] = self.parent_channels
         # The worker processes TorchRL built, in slot order (nothing else this thread started).
         state.templates = [p for p in started if is_worker_entry(getattr(p, "_target", None))]
+        for template in state.templates:  # each replacement gets its own pipes and event
+            template._kwargs = {k: v for k, v in template._kwargs.items() if k not in _PER_START}
         if state.max_restarts > 0 and len(state.templates) != len(processes):
             self._abort_start(supervisor, RuntimeError("restarts: worker processes not recorded"))
             raise RuntimeError(
@@ -590,6 +598,8 @@ class ManagedParallelEnv(ParallelEnv):
     def _handle_losses(self, supervisor: WorkerSupervisor, in_flight: Collection[int]) -> None:
         """Replace every lost worker (its tree is already gone), or raise once the budget is
         spent. ``in_flight``: slots whose answer the caller is waiting for."""
+        # A call interrupted by the loss may have left answers in the other workers' pipes.
+        supervisor.drain_owed(self.shutdown_timeout)
         while supervisor.lost:
             self._restart_slot(supervisor, supervisor.lost[0], in_flight)
 
@@ -620,12 +630,14 @@ class ManagedParallelEnv(ParallelEnv):
         command = lost.channel.last_command
         message = lost.channel.last_message
         replay = slot in in_flight and command == "reset"
-        while True:
+        for attempt in itertools.count(1):
             env_error = not isinstance(lost.failure, WorkerDiedError)
             if env_error and not state.restart_on_error:
                 self._give_up(supervisor, lost, "its env raised (restart_on_error=False)")
             if not state.budget.allows(time.monotonic()):
                 self._give_up(supervisor, lost, f"more losses than {state.budget.describe()}")
+            if attempt > state.max_restarts:  # however long the window: no endless retries
+                self._give_up(supervisor, lost, f"{state.max_restarts} replacement(s) in a row were lost")
             cause: int | str | None = (
                 "hung" if lost.hung else type(lost.failure).__name__ if env_error else lost.exitcode
             )
@@ -683,19 +695,28 @@ class ManagedParallelEnv(ParallelEnv):
             if server is not None and fifo:
                 _reaper_client.notify_watch(fifo, server[0], server[1], server[0])
         process = copy_unstarted(template, kwargs)
+        flags = self._owner().__dict__.get("_shm_done_flags")
+        if flags is not None:
+            flags[slot] = 0  # the lost worker may have answered before it died
         process.start()
         child_pipe.close()
         channel = supervisor.replace(slot, process, parent_pipe)
-        owner = self._owner()  # a view (TorchRL >= 0.14) shares these lists with its owner
-        owner._workers[slot] = process
-        owner.parent_channels[slot] = channel
-        if owner.__dict__.get("_events") is not None:
-            owner._events[slot] = event
+        # The owner's lists, and those of every indexed view (TorchRL >= 0.14 gives a view
+        # lists of its own, indexed by its position in the view).
+        for env, position in self._envs_of_slot(slot):
+            env._workers[position] = process
+            env.parent_channels[position] = channel
+            if env.__dict__.get("_events") is not None:
+                env._events[position] = event
         state.worker_pids[slot] = process.pid
         # TorchRL's handshake: the worker says it built its env, then is sent "init". Building
         # the env is not a command: step_timeout does not apply (a spawned worker imports torch).
         self._await(supervisor, slot, lambda: bool(channel.poll(0)), self.BATCHED_PIPE_TIMEOUT, channel)
-        channel.recv()
+        try:
+            channel.recv()  # "started"; at EOF, the replacement died while building its env
+        except Exception:
+            self._await_loss(supervisor, supervisor.worker(slot))
+            raise _ReplacementLost from None
         channel.send(("init", None))
         return process, channel
 
@@ -708,6 +729,24 @@ class ManagedParallelEnv(ParallelEnv):
     def _owner(self) -> Any:
         """The env that owns the workers: ``self``, or the parent of an indexed view."""
         return self.__dict__.get("_parent_env") or self
+
+    def _envs_of_slot(self, slot: int) -> list[tuple[Any, int]]:
+        """The owner and each live view that holds worker ``slot``, with its position there."""
+        state: _ManagedState = self.__dict__["_trx"]
+        found = [(self._owner(), slot)]
+        views = [ref() for ref in state.views]
+        state.views = [weakref.ref(view) for view in views if view is not None]
+        for view in views:
+            indices = None if view is None else view.__dict__.get("_worker_indices")
+            if view is not None and indices is not None and slot in indices:
+                found.append((view, list(indices).index(slot)))
+        return found
+
+    def _make_batched_view(self, indices: Sequence[int]) -> Any:
+        """TorchRL >= 0.14 indexing: a view, remembered so that restarts reach its lists."""
+        view = super()._make_batched_view(indices)
+        self.__dict__["_trx"].views.append(weakref.ref(view))
+        return view
 
     def _slot_answered(self, slot: int) -> bool:
         owner = self._owner()
@@ -817,6 +856,8 @@ class ManagedParallelEnv(ParallelEnv):
                 return
             except _Lost:
                 self._handle_losses(supervisor, in_flight=slots)
+                if step_timeout is not None:  # a replayed reset gets the whole timeout
+                    hang_at = time.monotonic() + step_timeout
             except _Hung:
                 assert step_timeout is not None
                 for slot in slots:
@@ -825,7 +866,7 @@ class ManagedParallelEnv(ParallelEnv):
                         worker = supervisor.kill_hung(slot, step_timeout)
                         self._await_loss(supervisor, worker)
                 self._handle_losses(supervisor, in_flight=slots)
-                hang_at = time.monotonic() + step_timeout  # for replayed resets
+                hang_at = time.monotonic() + step_timeout  # a replayed reset gets the whole timeout
 
     def _wait_events(
         self, slots: list[int], deadline: float, check: Callable[[], None], on_timeout: Callable[[], None]
@@ -924,6 +965,12 @@ class ManagedParallelEnv(ParallelEnv):
     def load_state_dict(self, state_dict: Any, **kwargs: Any) -> None:
         with self._supervised():
             super().load_state_dict(state_dict, **kwargs)
+            supervisor: WorkerSupervisor | None = self.__dict__["_trx"].supervisor
+            if supervisor is not None and supervisor.restartable:
+                # TorchRL waits out a lost worker's event and returns: its state never arrived.
+                lost = supervisor.wait_for_failure(0.0, lost_counts=True)
+                if lost is not None:
+                    _raise_failure(lost)
 
     # ------------------------------------------------------------------ close
     def _shutdown_workers(self) -> None:
@@ -960,6 +1007,8 @@ class ManagedParallelEnv(ParallelEnv):
             self._cuda_events = None
             self._events = None
             self.event = None
+            state.templates = []  # they hold the shared buffers and the done flags
+            state.worker_ctx = None
             _lifecycle.unregister(self)
             _reaper_client.release()
         log.debug("%s", state.report)

@@ -11,6 +11,7 @@ failure order" in ``docs/design.md``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import multiprocessing.connection
 import multiprocessing.popen_forkserver
@@ -39,40 +40,90 @@ log = logging.getLogger("torchrl_ext")
 
 SNAPSHOT_INTERVAL = 0.5
 FALLBACK_POLL_INTERVAL = 0.1
+#: How long a closed pipe may precede the death of its worker becoming visible.
+LOST_PIPE_WAIT = 1.0
 
 
 class _ParentChannel:
-    """The parent's end of a worker pipe, remembering the last command sent.
+    """The parent's end of a worker pipe, remembering the last command sent."""
 
-    With restarts on (``tolerant``), a send to a worker that is gone does not raise: the loss
-    is handled where the env waits for the answer. ``intercept`` (set on a replacement that
-    owes its slot a marked transition) may take a command instead of sending it.
-    """
-
-    def __init__(self, conn: Any, tolerant: bool = False) -> None:
+    def __init__(self, conn: Any) -> None:
         self._conn = conn
-        self.tolerant = tolerant
         self.last_command: str | None = None
-        self.last_message: Any = None
-        self.intercept: Any = None
         # Bound once: read after every step (no __getattr__ on the hot path).
         self.recv = conn.recv
         self.poll = conn.poll
 
     def send(self, obj: Any) -> None:
         if isinstance(obj, tuple) and obj and isinstance(obj[0], str):
+            self.last_command = obj[0]
+        self._conn.send(obj)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+#: Commands TorchRL's worker loop answers through the shared buffers and done flags only (with
+#: restarts, specs are tensor-only: no non-tensor answer on the pipe either).
+_NO_PIPE_ANSWER = frozenset({"init", "reset", "step", "step_and_maybe_reset", "close", "load_state_dict"})
+
+
+class _RestartableChannel(_ParentChannel):
+    """A worker pipe of an env with restarts on.
+
+    A send to a lost worker does not raise (the loss is handled where the env waits for the
+    answer); the last message is kept (a reset in flight is replayed on the replacement);
+    answers still owed on the pipe are counted, so that they can be drained before the next
+    call (no later call may read an earlier call's answer); a read that finds the worker gone
+    raises the worker's loss (``on_eof``); ``intercept`` (set on a replacement that owes its
+    slot a marked transition) may take a command instead of sending it.
+    """
+
+    def __init__(self, conn: Any) -> None:
+        super().__init__(conn)
+        self.last_message: Any = None
+        self.intercept: Any = None
+        self.on_eof: Any = None
+        self.owed = 0
+        self.recv = self._recv
+
+    def send(self, obj: Any) -> None:
+        command = obj[0] if isinstance(obj, tuple) and obj else None
+        if command is not None:
             if self.intercept is not None and self.intercept(obj):
                 return
-            self.last_command = obj[0]
+            self.last_command = command if isinstance(command, str) else repr(command)
             self.last_message = obj
         try:
             self._conn.send(obj)
         except (OSError, EOFError):
-            if not self.tolerant:
-                raise
+            return
+        if command is not None and not (isinstance(command, str) and command in _NO_PIPE_ANSWER):
+            self.owed += 1
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn, name)
+    def _recv(self) -> Any:
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            failure = self.on_eof() if self.on_eof is not None else None
+            if failure is not None:
+                raise failure from None
+            raise
+        if self.owed:
+            self.owed -= 1
+        return message
+
+    def drain(self, until: float) -> None:
+        """Read and drop the answers still owed, waiting until ``until`` (monotonic) at most."""
+        while self.owed:
+            if not self._conn.poll(max(0.0, until - time.monotonic())):
+                return
+            try:
+                self._conn.recv()
+            except (EOFError, OSError):
+                self.owed = 0
+                return
+            self.owed -= 1
 
 
 @dataclass
@@ -160,13 +211,33 @@ class WorkerSupervisor:
     def _record(self, index: int, process: Any, channel: Any) -> _Worker:
         recorder = channel
         if not isinstance(channel, _ParentChannel):
-            recorder = _ParentChannel(channel, self.restartable)
+            recorder = _RestartableChannel(channel) if self.restartable else _ParentChannel(channel)
         try:
             ctime = psutil.Process(process.pid).create_time()
         except psutil.Error:
             ctime = time.time()
         _reaper_client.send({"op": "watch", "pid": process.pid, "ctime": ctime, "pgid": process.pid})
-        return _Worker(index, process, process.pid, ctime, recorder)
+        worker = _Worker(index, process, process.pid, ctime, recorder)
+        if isinstance(recorder, _RestartableChannel):
+            recorder.on_eof = functools.partial(self._loss_of, worker)
+        return worker
+
+    def _loss_of(self, worker: _Worker) -> BaseException | None:
+        """``worker``'s failure once its exit is handled (a closed pipe precedes the exit)."""
+        deadline = time.monotonic() + LOST_PIPE_WAIT
+        while not worker.handled.is_set() and time.monotonic() < deadline:
+            self.poll()
+            worker.handled.wait(0.02)
+        return worker.failure
+
+    def drain_owed(self, timeout: float) -> None:
+        """Drop the answers live workers still owe on their pipes (see _RestartableChannel)."""
+        until = time.monotonic() + timeout
+        with self._lock:
+            live = [w for w in self._workers if not w.finished]
+        for worker in live:
+            if isinstance(worker.channel, _RestartableChannel):
+                worker.channel.drain(until)
 
     def replace(self, index: int, process: Any, channel: Any) -> _ParentChannel:
         """Record ``process`` (started) as slot ``index``'s worker in place of the lost one."""
