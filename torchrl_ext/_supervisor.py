@@ -255,6 +255,10 @@ class WorkerSupervisor:
         _reaper_client.send({"op": "unwatch", "pid": old.pid})
         with contextlib.suppress(ValueError, AssertionError):
             old.process.close()  # its status was collected when it was lost
+        if isinstance(old.channel, _RestartableChannel):
+            old.channel.on_eof = old.channel.intercept = None  # they refer back to the worker
+        with contextlib.suppress(OSError):
+            old.channel.close()  # now, not when a collection finds the old record
         self._wake_watcher()
         return worker.channel
 
