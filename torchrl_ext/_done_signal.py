@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["DEFAULT_SPIN", "DoneSignal", "NotifyingFlags", "has_spare_core"]
+__all__ = ["DEFAULT_SPIN", "DoneSignal", "NotifyingFlags", "has_spare_core", "timeout_error"]
 
 #: Longest sleep between checks of the deadline and of worker health.
 _SLICE = 0.5
@@ -55,6 +55,14 @@ _STEADY = 0.8
 _LATE_FACTOR = 3.0
 #: How late a timed sleep may end (Linux's default timer slack).
 _TIMER_SLACK = 5e-5
+
+
+def timeout_error(timeout: float) -> RuntimeError:
+    """The error TorchRL's own wait raises after ``timeout`` seconds (same text)."""
+    return RuntimeError(
+        f"Failed to run all workers within the {timeout} sec time limit. This "
+        "threshold can be increased via the BATCHED_PIPE_TIMEOUT env variable."
+    )
 
 
 def has_spare_core(num_workers: int) -> bool:
@@ -201,10 +209,7 @@ class DoneSignal:
                 if remaining <= 0:
                     if on_timeout is not None:
                         on_timeout()
-                    raise RuntimeError(
-                        f"Failed to run all workers within the {timeout} sec time limit. This "
-                        "threshold can be increased via the BATCHED_PIPE_TIMEOUT env variable."
-                    )
+                    raise timeout_error(timeout)
                 try:
                     select.select([fd], [], [], min(remaining, sleep))
                 except OSError:

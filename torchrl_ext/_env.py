@@ -35,7 +35,7 @@ from ._compat import (
     managed_worker_targets,
     worker_context,
 )
-from ._done_signal import DEFAULT_SPIN, has_spare_core
+from ._done_signal import DEFAULT_SPIN, has_spare_core, timeout_error
 from ._errors import DaemonicParentError, WorkerDiedError, WorkerHungError
 from ._metadata import metadata_in_subprocess as metadata_in_subprocess_ctx
 from ._report import SupervisionReport
@@ -578,10 +578,8 @@ class ManagedParallelEnv(ParallelEnv):
         if found is None:
             # A closed pipe is seen a moment before the death itself, so it gets a short wait.
             lost_pipe = isinstance(err, EOFError | OSError)
+            # With restarts on, a loss counts: its slot is replaced at the next call.
             found = supervisor.wait_for_failure(LOST_PIPE_WAIT if lost_pipe else 0.0, lost_counts=True)
-        if found is None and supervisor.lost:
-            # Restarts on: the slot is replaced at the next call; this one cannot be completed.
-            found = supervisor.lost[0].failure
         if found is not None:
             _raise_failure(found)
 
@@ -884,10 +882,7 @@ class ManagedParallelEnv(ParallelEnv):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 on_timeout()
-                raise RuntimeError(
-                    f"Failed to run all workers within the {self.BATCHED_PIPE_TIMEOUT} sec time limit. This "
-                    "threshold can be increased via the BATCHED_PIPE_TIMEOUT env variable."
-                )
+                raise timeout_error(self.BATCHED_PIPE_TIMEOUT)
             events[waiting[0]].wait(min(pause, remaining))
             pause = min(2 * pause, _POLL_SLICE)
 

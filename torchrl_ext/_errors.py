@@ -106,16 +106,22 @@ class WorkerDiedError(RuntimeError):
         self.exitcode = exitcode
         self.last_command = last_command
         self.detail = detail
-        self.hint = hint_for_exitcode(exitcode)
-        message = (
-            f"ManagedParallelEnv worker {worker_index} (pid {pid}) died with exit code "
-            f"{format_exitcode(exitcode)} while handling {last_command or 'no command'!r}. "
-            f"Hint: {self.hint} Its process tree was killed and reaped; call env.close() and "
-            "create a new environment."
-        )
+        self.hint = self._hint()
+        message = self._message()
         if detail:
             message += f" ({detail})"
         super().__init__(message)
+
+    def _hint(self) -> str:
+        return hint_for_exitcode(self.exitcode)
+
+    def _message(self) -> str:
+        return (
+            f"ManagedParallelEnv worker {self.worker_index} (pid {self.pid}) died with exit code "
+            f"{format_exitcode(self.exitcode)} while handling {self.last_command or 'no command'!r}. "
+            f"Hint: {self.hint} Its process tree was killed and reaped; call env.close() and "
+            "create a new environment."
+        )
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (
@@ -145,25 +151,21 @@ class WorkerHungError(WorkerDiedError):
         detail: str | None = None,
     ) -> None:
         self.timeout = timeout
-        RuntimeError.__init__(self)
-        self.worker_index = worker_index
-        self.pid = pid
-        self.exitcode = -signal.SIGKILL
-        self.last_command = last_command
-        self.detail = detail
-        self.hint = (
-            f"the worker did not answer {last_command or 'its command'!r} within step_timeout="
-            f"{timeout:g}s (a hung simulator, a deadlock, a stuck read?); it and its process tree "
+        super().__init__(worker_index, pid, -signal.SIGKILL, last_command, detail)
+
+    def _hint(self) -> str:
+        return (
+            f"the worker did not answer {self.last_command or 'its command'!r} within step_timeout="
+            f"{self.timeout:g}s (a hung simulator, a deadlock, a stuck read?); it and its process tree "
             "were killed. Raise `step_timeout` if such a step can legitimately take longer, or set "
             "`max_restarts` to replace hung workers and keep going."
         )
-        message = (
-            f"ManagedParallelEnv worker {worker_index} (pid {pid}) hung: no answer to "
-            f"{last_command or 'no command'!r} within {timeout:g}s. Hint: {self.hint}"
+
+    def _message(self) -> str:
+        return (
+            f"ManagedParallelEnv worker {self.worker_index} (pid {self.pid}) hung: no answer to "
+            f"{self.last_command or 'no command'!r} within {self.timeout:g}s. Hint: {self.hint}"
         )
-        if detail:
-            message += f" ({detail})"
-        self.args = (message,)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.worker_index, self.pid, self.last_command, self.timeout, self.detail))
