@@ -282,3 +282,54 @@ def test_env_owner_whose_parent_dies(scenario: Scenario, exit_with_parent: str) 
         assert "died" not in result.stderr, result.stderr
         assert result.exit_codes.get(child) == 0, result.exit_codes
     assert not [pid for pid in workers if psutil.pid_exists(int(pid))]
+
+
+def _bootstrapping(main_pid: int, method: str) -> list[int] | None:
+    """Pids of processes started for the env that are still bootstrapping (they have not
+    reached our worker set-up, which tags them with a worker index): spawned children under
+    spawn, children of CPython's fork server under forkserver."""
+    try:
+        procs = psutil.Process(main_pid).children(recursive=True)
+    except psutil.Error:
+        return None
+    found = []
+    for proc in procs:
+        try:
+            cmd = " ".join(proc.cmdline())
+            parent = " ".join(proc.parent().cmdline()) if proc.parent() else ""
+            env = proc.environ()
+        except psutil.Error:
+            continue
+        if method == "spawn" and "--multiprocessing-fork" not in cmd:
+            continue
+        if method == "forkserver" and "multiprocessing.forkserver" not in parent:
+            continue
+        if "TORCHRL_EXT_WORKER" not in env or method == "forkserver":
+            found.append(proc.pid)
+    return found or None
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_sigkill_of_main_while_workers_bootstrap(scenario: Scenario, tmp_path: Path, method: str) -> None:
+    """The main process is SIGKILLed while the processes it started for the env are still
+    bootstrapping (importing torch, before any code of ours runs in them): the reaper knows them
+    from the moment their pid exists (NOTE [tagged at birth]) and SIGKILLs them; none lives on
+    to finish its start-up and exit by itself."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    scenario.start("kill_during_start", "--method", method, "--pid-dir", str(pid_dir), linger=LINGER)
+    ready = scenario.wait_ready()
+    targets = wait_until(
+        lambda: _bootstrapping(ready["pid"], method),
+        f"a process of the env is bootstrapping under {method}",
+        timeout=120,
+    )
+    assert not list(pid_dir.glob("pdeathsig-*")), "an env was built already: past the bootstrap"
+    os.kill(ready["pid"], signal.SIGKILL)
+    result = scenario.finish(timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    _assert_nothing_leaked(result)
+    for pid in targets:
+        # Killed by the reaper (SIGKILL); one that finished its start-up would have seen its
+        # owner gone and exited with 1, seconds later.
+        assert result.exit_codes.get(pid) == -signal.SIGKILL, (pid, result.exit_codes, result.survivors)

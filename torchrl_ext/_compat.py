@@ -64,6 +64,8 @@ def _default_of(name: str, fallback: Any) -> Any:
 UPSTREAM_DEFAULTS: dict[str, Any] = {
     "daemon": bool(_default_of("daemon", True)),
     "shutdown_timeout": float(_default_of("shutdown_timeout", 10.0)),
+    #: Threads TorchRL gives each worker (``torch.set_num_threads`` there).
+    "num_sub_threads": int(_default_of("num_sub_threads", 1)),
     "raise_if_closed": bool(
         inspect.signature(ParallelEnv.close).parameters["raise_if_closed"].default
         if "raise_if_closed" in inspect.signature(ParallelEnv.close).parameters

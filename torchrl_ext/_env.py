@@ -49,7 +49,7 @@ from ._restart import (
     recording_starts,
 )
 from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor
-from ._tag import Tag, new_env_tag
+from ._tag import Tag, new_env_tag, tagged_spawns
 from ._worker import WorkerConfig
 
 __all__ = ["ManagedParallelEnv"]
@@ -379,6 +379,7 @@ class ManagedParallelEnv(ParallelEnv):
             Tag(tag.owner_pid, tag.owner_create_time, tag.env_id + ".meta"),
             f"ManagedParallelEnv[{tag.env_id}]",
             self._child_start_method(),
+            int(kwargs.get("num_sub_threads", UPSTREAM_DEFAULTS["num_sub_threads"])),
         ):
             super().__init__(num_workers, create_env_fn, **kwargs)
 
@@ -496,7 +497,12 @@ class ManagedParallelEnv(ParallelEnv):
             recording_starts() if state.max_restarts > 0 else contextlib.nullcontext([])
         )
         try:
-            with managed_worker_targets(), worker_context(self, context), recording as started:
+            with (
+                managed_worker_targets(),
+                worker_context(self, context),
+                tagged_spawns(tag),
+                recording as started,
+            ):
                 super()._start_workers()
         except BaseException as err:
             failure = self._abort_start(supervisor, err)
@@ -696,7 +702,8 @@ class ManagedParallelEnv(ParallelEnv):
         flags = self._owner().__dict__.get("_shm_done_flags")
         if flags is not None:
             flags[slot] = 0  # the lost worker may have answered before it died
-        process.start()
+        with tagged_spawns(supervisor.tag):
+            process.start()
         child_pipe.close()
         channel = supervisor.replace(slot, process, parent_pipe)
         # The owner's lists, and those of every indexed view (TorchRL >= 0.14 gives a view

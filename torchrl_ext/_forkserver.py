@@ -47,6 +47,7 @@ import multiprocessing.resource_tracker
 import multiprocessing.spawn
 import multiprocessing.util
 import os
+import pickle
 import select
 import signal
 import socket
@@ -123,20 +124,42 @@ def _fresh_random_state() -> None:
         numpy.random.seed()
 
 
+#: What spawn's preparation sets that the server must not take from the owner: its name
+#: (each worker gets its own) and the authkey (never on a pipe or a command line; each worker
+#: receives it in its own preparation data).
+_NOT_SERVER_PREP = ("name", "authkey", "init_main_from_name", "init_main_from_path")
+
+
+def _prepare_as_spawn(prep: dict[str, Any]) -> None:
+    """Set up the server as ``multiprocessing.spawn.prepare`` sets up a spawned child before
+    it runs the main module: ``sys.argv``, the working directory, ``sys.path``, the original
+    directory, the log level and the start method (NOTE [preloaded fork server])."""
+    multiprocessing.spawn.prepare({k: v for k, v in prep.items() if k not in _NOT_SERVER_PREP})
+
+
+def _import_main(prep: dict[str, Any]) -> None:
+    """Import the owner's main module as spawn would: by name for ``python -m``, else by path,
+    as ``__mp_main__`` (``__name__ != "__main__"``, so the script's guard holds)."""
+    main: dict[str, Any] = {k: prep[k] for k in ("init_main_from_name", "init_main_from_path") if k in prep}
+    if not main:
+        return
+    current = multiprocessing.process.current_process()
+    current._inheriting = True  # type: ignore[attr-defined]
+    try:
+        multiprocessing.spawn.prepare(main)
+    finally:
+        del current._inheriting  # type: ignore[attr-defined]
+
+
 def _preload(modules: Sequence[str], prep: dict[str, Any]) -> None:
-    if prep.get("sys_path") is not None:
-        sys.path[:] = prep["sys_path"]
+    try:
+        _prepare_as_spawn(prep)
+    except BaseException as exc:
+        raise _PreloadFailed("__main__", exc) from exc
     for name in modules:
         try:
             if name == "__main__":
-                main_path = prep.get("init_main_from_path")
-                if main_path:
-                    current = multiprocessing.process.current_process()
-                    current._inheriting = True  # type: ignore[attr-defined]
-                    try:
-                        multiprocessing.spawn.import_main_path(main_path)
-                    finally:
-                        del current._inheriting  # type: ignore[attr-defined]
+                _import_main(prep)
             else:
                 importlib.import_module(name)
         except BaseException as exc:
@@ -151,19 +174,16 @@ class _PreloadFailed(Exception):
 
 
 def serve(
-    listener_fd: int,
-    alive_r: int,
-    status_w: int,
-    modules: list[str],
-    prep: dict[str, Any],
-    owner_pid: int,
-    arm_pdeathsig: bool,
+    listener_fd: int, alive_r: int, status_w: int, setup_r: int, owner_pid: int, arm_pdeathsig: bool
 ) -> None:
-    """Entry point of the server process (see NOTE [preloaded fork server])."""
+    """Entry point of the server process (see NOTE [preloaded fork server]). ``setup_r``
+    carries the modules to preload and the owner's spawn preparation data (pickled)."""
     global _server_pid
     if arm_pdeathsig and _platform.set_parent_death_signal(signal.SIGKILL) and os.getppid() != owner_pid:
         os._exit(1)  # the owner died before the signal was armed
     _server_pid = os.getpid()
+    with open(setup_r, "rb", closefd=True) as setup:
+        modules, prep = pickle.load(setup)
     try:
         _preload(modules, prep)
     except _PreloadFailed as failed:
@@ -218,9 +238,13 @@ class _Server(multiprocessing.forkserver.ForkServer):
 
     def _launch(self) -> None:
         modules = ["__main__", *self._wanted]
-        wanted_prep = multiprocessing.spawn.get_preparation_data("ignore")
-        # A script's __main__ (by path; ``python -m`` mains are imported by name in each child).
-        prep = {k: v for k, v in wanted_prep.items() if k in ("init_main_from_path", "sys_path")}
+        # What spawn would set up in a child before it runs the main module (argv, cwd, sys.path,
+        # the main module by path or by name); the server does the same before its preload.
+        prep = {
+            k: v
+            for k, v in multiprocessing.spawn.get_preparation_data("ignore").items()
+            if k not in ("name", "authkey")
+        }
         me = psutil.Process()
         tag = Tag(me.pid, me.create_time(), f"{me.pid}.{TAG_SUFFIX}")
         env = dict(os.environ)
@@ -235,13 +259,14 @@ class _Server(multiprocessing.forkserver.ForkServer):
             listener.listen()
             alive_r, alive_w = os.pipe()
             status_r, status_w = os.pipe()
-            args = (listener.fileno(), alive_r, status_w, modules, prep, me.pid, arm)
+            setup_r, setup_w = os.pipe()
+            args = (listener.fileno(), alive_r, status_w, setup_r, me.pid, arm)
             code = f"from torchrl_ext._forkserver import serve; serve(*{args!r})"
             exe = multiprocessing.spawn.get_executable()
             try:
                 proc = subprocess.Popen(
                     [exe, *subprocess._args_from_interpreter_flags(), "-c", code],  # type: ignore[attr-defined]
-                    pass_fds=(listener.fileno(), alive_r, status_w),
+                    pass_fds=(listener.fileno(), alive_r, status_w, setup_r),
                     stdin=subprocess.DEVNULL,
                     env=env,
                     process_group=0,
@@ -249,10 +274,15 @@ class _Server(multiprocessing.forkserver.ForkServer):
             except BaseException:
                 os.close(alive_w)
                 os.close(status_r)
+                os.close(setup_w)
                 raise
             finally:
                 os.close(alive_r)
                 os.close(status_w)
+                os.close(setup_r)
+            # A server that dies before reading this is reported by _await_preload.
+            with contextlib.suppress(OSError), open(setup_w, "wb", closefd=True) as setup:
+                pickle.dump((modules, prep), setup)
         try:
             self._await_preload(proc, status_r, modules)
         except BaseException:
@@ -295,8 +325,11 @@ class _Server(multiprocessing.forkserver.ForkServer):
         if isinstance(report, dict) and report.get("module") == "__main__":
             raise PreloadError(
                 "the preloaded fork server could not import your script's __main__ module:\n"
-                f"{report['traceback']}If it builds an env (or starts processes) when imported, put "
-                'that code under `if __name__ == "__main__":`, as spawn requires too.',
+                f"{report['traceback']}The server imports the script once, as spawn imports it in "
+                "every worker: as `__mp_main__`, with the same sys.argv, working directory and "
+                'sys.path. Code above `if __name__ == "__main__":` runs there; if it builds an env '
+                "or starts processes, move it under that guard (spawn requires it too). Or pass "
+                "mp_start_method='spawn' to start workers without the server.",
                 name="__main__",
             )
         if isinstance(report, dict) and "module" in report:

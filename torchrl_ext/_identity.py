@@ -173,9 +173,15 @@ def tree(
     worker_index: str | None = None,
     recent_groups: Iterable[int] = (),
     include_workers: bool = True,
+    dying: bool = False,
 ) -> list[psutil.Process]:
     """Every live process of ours, each once (see the module doc), and those of them that are
     the caller's zombie children (so that :func:`kill_and_reap` collects them).
+
+    With ``dying``, also the zombies of the tree that are still another process's: the
+    children of a worker that is exiting, which the kernel re-parents to this subreaper a
+    moment later (its pipe closes before its children are handed over). Collect them with
+    :func:`reap_if_child` once that worker is reaped (NOTE [shutdown order]).
 
     Args:
         workers: the recorded workers, pid -> (create time, process group).
@@ -199,7 +205,7 @@ def tree(
                 found[key] = proc
     for proc in seen:
         key = key_of(proc)
-        if key is not None and (alive(proc) or _our_zombie(proc)):
+        if key is not None and (alive(proc) or _our_zombie(proc) or (dying and _zombie(proc.pid))):
             found[key] = proc
     anchored = set(recent_groups)
     for proc in [*anchors, *found.values()]:
@@ -245,7 +251,10 @@ def tree(
     # Our own zombie children are kept too, so that kill-and-reap collects them: a worker's
     # descendants that died with it (a SIGTERM to its process group) were re-parented to us,
     # the child subreaper, and nobody else will wait for them.
-    return [proc for key, proc in found.items() if wanted(key) and (alive(proc) or _our_zombie(proc))]
+    def kept(proc: psutil.Process) -> bool:
+        return alive(proc) or _our_zombie(proc) or (dying and _zombie(proc.pid))
+
+    return [proc for key, proc in found.items() if wanted(key) and kept(proc)]
 
 
 def _our_zombie(proc: psutil.Process) -> bool:

@@ -26,8 +26,12 @@ Inside the supervisor's shutdown, one deadline (``shutdown_timeout``) bounds: th
 message (the workers have until ``CLOSE_MESSAGE_SHARE`` = 60 % of it to exit), SIGTERM to each
 remaining worker's process group (until ``SIGTERM_SHARE`` = 80 %), SIGKILL (until
 ``SIGKILL_SHARE`` = 95 %), then, in what is left, a sweep of every recorded descendant, group
-member and tagged process and reaping by pid. No wait runs past the deadline: ``close()`` returns
-within ``shutdown_timeout`` plus the time of a few system calls.
+member and tagged process and reaping by pid. The workers are reaped before their descendants:
+a worker's pipe closes a moment before the kernel hands its children over to this process (the
+child subreaper), so the zombies among them are only ours, and collected, once the worker itself
+has been reaped; what dies later still is collected by a background late reaper. No wait runs
+past the deadline: ``close()`` returns within ``shutdown_timeout`` plus the time of a few system
+calls.
 ``docs/design.md`` quotes these numbers; ``tests/test_docs.py`` checks every quote.
 """
 

@@ -8,8 +8,10 @@ is called in a child process instead (:func:`metadata_in_subprocess`). The child
 like a worker (own process group, parent-death signal, tag), the metadata comes back over a
 pipe, and the child's whole tree is killed and reaped before construction returns.
 
-What the factory can tell: ``os.getpid()`` is the child's. ``torch.get_num_threads()`` is the
-main process's under spawn and forkserver, and 1 under fork (see ``_compute``).
+What the factory can tell: ``os.getpid()`` is not the main process's, so by upstream's rules
+(upstream builds this env in the main process, and every other process is a worker) it is a
+worker, and it looks like one: the workers' start method, their thread count
+(``num_sub_threads``, as TorchRL sets it in each worker), their seeding.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torchrl.envs.env_creator import EnvCreator
 
 from . import _identity, _reaper_client
 from ._compat import get_env_metadata_patch
-from ._tag import Tag
+from ._tag import Tag, tagged_spawns
 from ._wire import exception_report, rebuild_exception
 from ._worker import WorkerConfig, end_own_descendants, exit_now, prepare_process
 
@@ -57,13 +59,13 @@ def _metadata_main(conn: Any, payload: bytes, config: WorkerConfig, num_threads:
 
 
 #: What a managed env's construction passes down: start method name or context, tag, label,
-#: the workers' default start method for their children.
-_Context = tuple[Any, Tag, str, "str | None"]
+#: the workers' default start method for their children, the workers' thread count.
+_Context = tuple[Any, Tag, str, "str | None", int]
 
 
 def _compute(read: Callable[..., Any], context: _Context, fn: Any, kwargs: Any = None, **extra: Any) -> Any:
     """``read(fn, kwargs, **extra)`` (TorchRL's ``get_env_metadata``) in a supervised child."""
-    start, tag, label, child_start_method = context
+    start, tag, label, child_start_method, num_threads = context
     if isinstance(fn, EnvBase | EnvCreator):  # nothing to build, or already built by EnvCreator
         return read(fn, kwargs, **extra)
     # A start method's name, or the preloaded server's context (see _forkserver).
@@ -82,10 +84,6 @@ def _compute(read: Callable[..., Any], context: _Context, fn: Any, kwargs: Any =
         reaper_fifo=fifo,
         child_start_method=child_start_method,
     )
-    # The factory sees the main process's thread count, as upstream (which builds this env in
-    # the main process) shows it. Not under fork: a forked child cannot use the OpenMP threads
-    # its parent already started (it hangs), so it keeps to one, like TorchRL's own workers.
-    num_threads = 1 if start_method == "fork" else torch.get_num_threads()
     recv_conn, send_conn = ctx.Pipe(duplex=False)
     process = ctx.Process(
         target=_metadata_main,
@@ -94,7 +92,8 @@ def _compute(read: Callable[..., Any], context: _Context, fn: Any, kwargs: Any =
         daemon=False,
     )
     try:
-        process.start()
+        with tagged_spawns(tag):
+            process.start()
         send_conn.close()
         try:
             kind, payload = pickle.loads(recv_conn.recv_bytes())
@@ -130,6 +129,7 @@ def _end_tree(process: Any, tag: Tag) -> None:
         env_id=tag.env_id,
         recent_groups=[pid],
         include_workers=False,
+        dying=True,  # its zombie children are ours once it is joined below
     )
     process.join(timeout=5.0)
     if process.exitcode is None:
@@ -161,13 +161,14 @@ _PATCH = get_env_metadata_patch(_routed)
 
 @contextlib.contextmanager
 def metadata_in_subprocess(
-    start: Any, tag: Tag, label: str, child_start_method: str | None = None
+    start: Any, tag: Tag, label: str, child_start_method: str | None = None, num_threads: int = 1
 ) -> Iterator[None]:
     """While active, ``ParallelEnv`` constructed by this thread reads env specs through a
     supervised child (:func:`_compute`), with whatever ``get_env_metadata`` was current.
-    ``start``: a start method's name or a context (the preloaded server's)."""
+    ``start``: a start method's name or a context (the preloaded server's); ``num_threads``:
+    the workers' thread count (TorchRL's ``num_sub_threads``), which the child gets too."""
     stack: list[_Context] = _context.__dict__.setdefault("stack", [])
-    stack.append((start, tag, label, child_start_method))
+    stack.append((start, tag, label, child_start_method, num_threads))
     try:
         with _PATCH.active():
             yield

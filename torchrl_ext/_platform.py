@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import psutil
@@ -45,6 +46,7 @@ __all__ = [
     "set_parent_death_signal",
     "shm_size",
     "signal_name",
+    "spawn_passing_fds",
 ]
 
 IS_LINUX = sys.platform.startswith("linux")
@@ -341,3 +343,30 @@ def probe_orphan_reaping(timeout: float = 5.0) -> OrphanProbe:
             return OrphanProbe(pid, adopter, name, False if zombie else None, timeout)
         time.sleep(0.02)
     return OrphanProbe(pid, adopter, name, True, time.monotonic() - start)
+
+
+class _HandedOver(subprocess.Popen[bytes]):
+    """A child whose exit status belongs to someone else (``multiprocessing`` waits for it):
+    never queued for ``subprocess``'s own reaping when this object is collected."""
+
+    def __del__(self) -> None:
+        pass
+
+
+def spawn_passing_fds(
+    path: str, args: Sequence[str], passfds: Sequence[int], env: Mapping[str, str], own_group: bool
+) -> int:
+    """Fork and exec ``path`` with ``args``, keeping only ``passfds`` open (what
+    ``multiprocessing.util.spawnv_passfds`` does), with ``env`` as its environment and, if
+    ``own_group``, as the leader of a new process group from its first instruction on.
+    Returns the pid; the caller (``multiprocessing``) collects its exit status."""
+    proc = _HandedOver(
+        list(args),
+        executable=path,
+        pass_fds=tuple(sorted(int(fd) for fd in passfds)),
+        close_fds=True,
+        env=dict(env),
+        process_group=0 if own_group else None,
+        restore_signals=False,
+    )
+    return int(proc.pid)

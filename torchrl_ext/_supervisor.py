@@ -400,6 +400,7 @@ class WorkerSupervisor:
             worker_index=str(workers[0].index) if len(workers) == 1 else None,
             recent_groups=[w.pid for w in recent],
             include_workers=False,
+            dying=True,
         )
 
     def _kill_tree(self, worker: _Worker) -> int:
@@ -531,6 +532,9 @@ class WorkerSupervisor:
             worker.exitcode = _exitcode(worker, wait=min(left(), 1.0))
             worker.finished = True
             _reaper_client.send({"op": "unwatch", "pid": worker.pid})
+        # A worker that is reaped has handed its children over: those that died before it are
+        # our zombies now (NOTE [shutdown order]); collect them before close() returns.
+        _identity.reap_if_child(leftovers, wait=min(left(), _identity.ZOMBIE_WAIT))
         self.stop()
         return SupervisionReport(
             reason=reason,

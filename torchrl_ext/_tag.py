@@ -9,20 +9,42 @@ Caveat: ``/proc/<pid>/environ`` shows the environment a process had at its last 
 descendant that was *forked* without exec (a fork-context DataLoader worker) shows its
 parent's exec-time environment; those are found through their process group and the
 recorded process tree instead.
+
+NOTE [tagged at birth]
+----------------------
+A spawned worker spends seconds importing torch before its own set-up runs; a worker of
+CPython's fork server is a fork of a process we did not start. Were the owner SIGKILLed in that
+window, neither would be known to anyone. So while a managed env starts processes
+(:func:`tagged_spawns`), ``multiprocessing``'s exec of a spawned child carries the tag in its
+*exec* environment and leads its own process group from its first instruction, and CPython's
+fork server, when this start launches it, carries an owner-wide tag (env id
+``<pid>.mpforkserver``) that every process it forks shows too. The external reaper's tag scan
+finds all of them the moment the owner dies; each spawned worker is also reported to the
+reaper as soon as its pid exists. ``multiprocessing``'s resource tracker is left untagged: it
+unlinks what dead processes leaked and exits by itself once they are gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import multiprocessing.util
 import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
-from . import _identity
+from . import _identity, _platform, _reaper_client
+from ._compat import ScopedPatch
 from ._identity import OWNER_VAR, WORKER_VAR
 
-__all__ = ["OWNER_VAR", "WORKER_VAR", "Tag", "new_env_tag", "read_tag"]
+__all__ = ["OWNER_VAR", "WORKER_VAR", "Tag", "new_env_tag", "read_tag", "tagged_spawns"]
+
+#: Env id suffix of the tag CPython's own fork server gets (NOTE [tagged at birth]).
+MP_FORKSERVER_SUFFIX = "mpforkserver"
 
 _env_counter = itertools.count(1)
 
@@ -69,3 +91,61 @@ def read_tag(proc: psutil.Process) -> tuple[Tag | None, str | None]:
     """The tag and worker index a process carries in its environment, if readable."""
     parsed, worker = _identity.read_tag(proc)
     return (None if parsed is None else Tag(*parsed)), worker
+
+
+# --------------------------------------------------------------------------- NOTE [tagged at birth]
+_birth = threading.local()
+
+
+def _what_is_spawned(args: Sequence[str | bytes]) -> str | None:
+    """``"worker"`` for a spawned ``multiprocessing`` child, ``"forkserver"`` for CPython's fork
+    server, ``None`` for anything else (the resource tracker)."""
+    text = [os.fsdecode(arg) for arg in args]  # str or bytes, as multiprocessing builds them
+    if "--multiprocessing-fork" in text:
+        return "worker"
+    if any("multiprocessing.forkserver" in arg for arg in text):
+        return "forkserver"
+    return None
+
+
+def _tagging_spawnv(previous: Callable[..., int]) -> Callable[..., int]:
+    def spawnv_passfds(path: str, args: Sequence[str], passfds: Sequence[int]) -> int:
+        tag: Tag | None = getattr(_birth, "tag", None)
+        kind = None if tag is None else _what_is_spawned(args)
+        if tag is None or kind is None:
+            return previous(path, args, passfds)
+        env = dict(os.environ)
+        if kind == "worker":
+            env[OWNER_VAR] = str(tag)
+            env.pop(WORKER_VAR, None)  # set by the worker itself, with its index
+        else:
+            server_id = f"{tag.owner_pid}.{MP_FORKSERVER_SUFFIX}"
+            env[OWNER_VAR] = str(Tag(tag.owner_pid, tag.owner_create_time, server_id))
+            env[WORKER_VAR] = MP_FORKSERVER_SUFFIX
+        pid = _platform.spawn_passing_fds(path, args, passfds, env, own_group=kind == "worker")
+        if kind == "worker":  # the fork server is shared: its tag alone marks it
+            try:
+                ctime = psutil.Process(pid).create_time()
+            except psutil.Error:  # already gone: nothing to watch
+                return pid
+            _reaper_client.send({"op": "watch", "pid": pid, "ctime": ctime, "pgid": pid})
+        return pid
+
+    spawnv_passfds.__wrapped__ = previous  # type: ignore[attr-defined]
+    return spawnv_passfds
+
+
+_SPAWN_PATCH = ScopedPatch(multiprocessing.util, "spawnv_passfds", _tagging_spawnv)
+
+
+@contextlib.contextmanager
+def tagged_spawns(tag: Tag) -> Iterator[None]:
+    """While active, processes that ``multiprocessing`` spawns from this thread carry ``tag``
+    from their exec on (NOTE [tagged at birth])."""
+    previous: Any = getattr(_birth, "tag", None)
+    _birth.tag = tag
+    try:
+        with _SPAWN_PATCH.active():
+            yield
+    finally:
+        _birth.tag = previous

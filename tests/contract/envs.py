@@ -228,3 +228,15 @@ def make_parallel_counting_env(env_class: Any, mp_start_method: str, **kwargs: A
 
     fn = functools.partial(make_counting_env, max_steps=3, noise=0.0)
     return env_class(2, fn, mp_start_method=mp_start_method, **kwargs)
+
+
+def make_thread_checking_env(main_pid: int, num_sub_threads: int, **kwargs: Any) -> CountingEnv:
+    """The factory of TorchRL's own ``TestLibThreading::test_num_threads``, in spirit: any process
+    that is not the main one is taken for a worker, and a worker must run ``num_sub_threads``
+    torch threads. Upstream builds its spec-reading env in the main process."""
+    if os.getpid() != main_pid:
+        assert torch.get_num_threads() == num_sub_threads, (
+            f"pid {os.getpid()} is not the main process ({main_pid}) but runs "
+            f"{torch.get_num_threads()} torch threads, not num_sub_threads={num_sub_threads}"
+        )
+    return CountingEnv(**kwargs)

@@ -64,8 +64,20 @@ class Variant:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Build the batched env: ``cls(*args, **kwargs, **self.kwargs)``."""
-        return self.cls(*args, **kwargs, **self.kwargs)
+        """Build the batched env: ``cls(*args, **kwargs, **self.kwargs)``.
+
+        The managed class on the default path (``mp_start_method=None``, non-daemonic workers)
+        must really be on the preloaded fork server: that is the path the case is about."""
+        env = self.cls(*args, **kwargs, **self.kwargs)
+        all_kwargs = {**kwargs, **self.kwargs}
+        if (
+            isinstance(env, ManagedParallelEnv)
+            and "mp_start_method" in all_kwargs
+            and all_kwargs["mp_start_method"] is None
+            and not env.daemon_workers
+        ):
+            assert env.start_method == "preloaded", f"default path not preloaded: {env.start_method}"
+        return env
 
 
 UPSTREAM = Variant("upstream", ParallelEnv)

@@ -1,0 +1,94 @@
+"""Contract: what an env factory can see of the process it runs in is what upstream shows it.
+
+A factory can only tell where it runs by its interpreter: its pid, its ``sys.argv``, working
+directory and ``sys.path``, its main module, its thread count. Upstream builds the
+spec-reading env in the main process and every worker by spawn (its default on TorchRL >=
+0.11). The managed default forks workers from a preloaded server and reads specs in a
+supervised child; by upstream's rules every process with another pid is a worker, so both
+must look exactly like upstream's workers.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, START_METHODS
+from tests.contract.envs import make_thread_checking_env
+from tests.contract.helpers import HAS_DAEMON, Record, Variant, assert_same_as_upstream, closing, run_variants
+
+pytestmark = pytest.mark.timeout(240)
+
+SCRIPT = Path(__file__).with_name("argv_script.py")
+
+
+def _run_script(impl: str, out: Path, cwd: Path) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), impl, str(out), "extra-arg"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert result.returncode == 0, f"{impl}: exit {result.returncode}\n{result.stderr[-4000:]}"
+    return result.stdout.strip()
+
+
+@pytest.mark.skipif(not HAS_DAEMON, reason="the default path is the preloaded server only on TorchRL >= 0.11")
+def test_script_reading_argv_at_module_level_sees_what_spawn_shows(tmp_path: Path) -> None:
+    """A script that reads ``sys.argv`` above its ``__main__`` guard works on the default path,
+    and every process that builds the env sees the same ``sys.argv``, working directory,
+    ``sys.path`` and main module (``__mp_main__``, by path) as upstream's spawned workers."""
+    seen: dict[str, list[dict[str, object]]] = {}
+    cwd = tmp_path / "elsewhere"  # not the script's directory: the working directory must follow
+    cwd.mkdir()
+    for impl in ("upstream", "managed"):
+        out = tmp_path / impl
+        out.mkdir()
+        printed = _run_script(impl, out, cwd)
+        if impl == "managed":
+            assert printed == "preloaded", printed
+        seen[impl] = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    # Upstream: its 2 workers; managed: its 2 workers and the spec-reading process.
+    assert len(seen["upstream"]) == 2 and len(seen["managed"]) == 3, seen
+    upstream = seen["upstream"][0]
+    assert upstream["argv"] == [str(SCRIPT), "upstream", str(tmp_path / "upstream"), "extra-arg"]
+    assert upstream["cwd"] == str(cwd) and upstream["__main__.__name__"] == "__mp_main__"
+    for impl, records in seen.items():
+        for record in records:
+            expected = dict(upstream)
+            expected["argv"] = [str(SCRIPT), impl, str(tmp_path / impl), "extra-arg"]
+            expected["module-level IMPL"] = impl
+            assert record == expected, f"{impl} differs from upstream's spawned worker"
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("mp_start_method", [pytest.param(None, id="default"), *START_METHODS])
+def test_every_other_process_is_a_worker_by_its_thread_count(mp_start_method: str | None) -> None:
+    """TorchRL's ``test_num_threads`` rule: a factory that runs outside the main process
+    must see ``num_sub_threads`` torch threads, as a worker does (the spec-reading process
+    too, which upstream does not have)."""
+    sub_threads = torch.get_num_threads() + 1  # never what the main process runs
+    factory = functools.partial(make_thread_checking_env, os.getpid(), sub_threads)
+
+    def scenario(variant: Variant, rec: Record) -> None:
+        env = rec(
+            "build",
+            lambda: variant(2, factory, num_sub_threads=sub_threads, mp_start_method=mp_start_method),
+            describe=lambda env: "built",
+        )
+        if env is None:
+            return
+        with closing(env):
+            rec("rollout", lambda: env.rollout(3).batch_size)
+
+    assert_same_as_upstream(run_variants(scenario))
