@@ -14,7 +14,7 @@ import pytest
 import torch
 from torchrl.envs import batched_envs
 
-from tests.conftest import START_METHODS
+from tests.conftest import START_METHODS, WORKER_STARTS, start_kwargs
 from tests.envs import make_env
 from torchrl_ext import ManagedParallelEnv
 
@@ -78,19 +78,24 @@ def test_users_patches_of_torchrl_are_used_and_kept(
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("method", START_METHODS)
-def test_spec_reading_process_shows_the_main_process_thread_count(method: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", WORKER_STARTS)
+def test_spec_reading_process_runs_the_workers_thread_count(method: str, tmp_path: Path) -> None:
     """Upstream builds the spec-reading env in the main process; ours builds it in a helper
-    that shows the factory the same ``torch.get_num_threads()``, except under fork (1, since a
-    forked process cannot use the OpenMP threads of its parent; documented)."""
+    that, having another pid, must look like a worker by upstream's rules: it runs
+    ``num_sub_threads`` torch threads, as TorchRL sets them in each worker (and the same as the
+    workers, which record theirs too)."""
+    sub_threads = torch.get_num_threads() + 1  # never what the main process runs
     env = ManagedParallelEnv(
         2,
         functools.partial(threads_env, str(tmp_path)),
         daemon_workers=False,
-        mp_start_method=method,
+        num_sub_threads=sub_threads,
+        **start_kwargs(method),
     )
-    env.close(raise_if_closed=False)
+    try:
+        env.reset()
+    finally:
+        env.close()
     seen = [int(p.read_text()) for p in tmp_path.glob("threads-*")]
-    assert len(seen) == 1, seen
-    expected = 1 if method == "fork" else torch.get_num_threads()
-    assert seen == [expected]
+    assert len(seen) == 3, seen  # the spec-reading process and the 2 workers
+    assert seen == [sub_threads] * 3

@@ -10,7 +10,7 @@ import torch
 from tensordict import TensorDictBase
 from torchrl.envs import ParallelEnv
 
-from tests.conftest import START_METHODS
+from tests.conftest import START_METHODS, WORKER_STARTS, start_kwargs
 from tests.envs import OBS, make_env
 from torchrl_ext import DaemonicWorkerError, ManagedParallelEnv
 from torchrl_ext._compat import HAS_DAEMON_KWARG
@@ -174,3 +174,50 @@ def test_rollout_after_load_state_dict_uses_the_loaded_state() -> None:
             torch.testing.assert_close(after[key], before[key] + offsets[:, None])
     finally:
         env.close(raise_if_closed=False)
+
+
+def _chain(err: BaseException) -> str:
+    """Every message of ``err`` and its causes (the worker's traceback is the cause)."""
+    parts = []
+    cur: BaseException | None = err
+    while cur is not None:
+        parts.append(str(cur))
+        cur = cur.__cause__
+    return "\n".join(parts)
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("method", WORKER_STARTS)
+def test_a_call_the_env_does_not_have_raises_attribute_error(method: str) -> None:
+    """``env.no_such_method()`` is forwarded to the workers, whose loop ends on the error: the
+    call itself raises the ``AttributeError`` (upstream raises a bare ``EOFError`` and then
+    cannot close), and the env still closes."""
+    env = ManagedParallelEnv(2, functools.partial(make_env), daemon_workers=False, **start_kwargs(method))
+    try:
+        env.reset()
+        with pytest.raises(AttributeError) as raised:
+            env.no_such_method()
+        assert "no_such_method" in _chain(raised.value), _chain(raised.value)
+    finally:
+        env.close()
+    assert env.supervision_report is not None
+    assert {w.outcome for w in env.supervision_report.workers} <= {"died", "graceful"}
+
+
+@pytest.mark.parametrize("method", ["fork", "preloaded"])
+def test_a_failed_forwarded_call_is_a_loss_with_restarts(method: str) -> None:
+    """With ``max_restarts``, the forwarded call raises the env's error and the lost workers
+    are replaced at the next call (without ``restart_on_error``: the error reached its caller)."""
+    env = ManagedParallelEnv(
+        2, functools.partial(make_env), daemon_workers=False, max_restarts=2, **start_kwargs(method)
+    )
+    try:
+        env.reset()
+        with pytest.raises(AttributeError):
+            env.no_such_method()
+        out = env.rollout(3, break_when_any_done=False)
+        assert out.batch_size == torch.Size([2, 3])
+        assert sorted(r.slot for r in env.restarts) == [0, 1]
+        assert {r.cause for r in env.restarts} == {"AttributeError"}
+    finally:
+        env.close()

@@ -144,3 +144,53 @@ def test_reaper_lingers_for_the_next_env_then_stops(monkeypatch: pytest.MonkeyPa
     second.close()
     _reaper_client.stop_now()  # what the exit hook does
     assert _reaper_client._handle is None and handle.proc.poll() is not None
+
+
+def _zombie_children() -> list[tuple[int, str]]:
+    """This process's children that have exited and are owed a ``wait()``."""
+    found = []
+    for child in psutil.Process().children():
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                found.append((child.pid, child.name()))
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("start_from", ["main thread, 3 cycles", "short-lived thread"])
+def test_close_under_spawn_leaves_no_defunct_descendant(start_from: str) -> None:
+    """Spawned workers whose resets build a ``DataLoader`` with spawned workers of its own (no
+    ``multiprocessing_context``): when ``close()`` returns, the main process (the child
+    subreaper the orphans of a worker go to) owes no ``wait()`` to any of them."""
+    import threading
+
+    assert not _zombie_children(), "zombie children before the test"
+    fn = functools.partial(make_env, loader="per_reset")
+
+    def cycle() -> None:
+        env = ManagedParallelEnv(2, fn, daemon_workers=False, mp_start_method="spawn", shutdown_timeout=30.0)
+        try:
+            env.rollout(2)
+        finally:
+            env.close()
+        left = _zombie_children()
+        assert not left, f"defunct descendants owed a wait() after close(): {left}"
+
+    if start_from == "short-lived thread":
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                cycle()
+            except BaseException as err:  # re-raised in the test's thread
+                errors.append(err)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        if errors:
+            raise errors[0]
+    else:
+        for _ in range(3):
+            cycle()

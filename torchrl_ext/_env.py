@@ -48,7 +48,7 @@ from ._restart import (
     mark_transition,
     recording_starts,
 )
-from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor
+from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor, is_forwarded_call
 from ._tag import Tag, new_env_tag, tagged_spawns
 from ._worker import WorkerConfig
 
@@ -636,7 +636,9 @@ class ManagedParallelEnv(ParallelEnv):
         replay = slot in in_flight and command == "reset"
         for attempt in itertools.count(1):
             env_error = not isinstance(lost.failure, WorkerDiedError)
-            if env_error and not state.restart_on_error:
+            # A call forwarded to the env (``env.method()``) already raised the env's error to its
+            # caller; the worker only died because TorchRL's loop ends on it: a loss like any other.
+            if env_error and not state.restart_on_error and not is_forwarded_call(command):
                 self._give_up(supervisor, lost, "its env raised (restart_on_error=False)")
             if not state.budget.allows(time.monotonic()):
                 self._give_up(supervisor, lost, f"more losses than {state.budget.describe()}")

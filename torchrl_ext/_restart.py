@@ -48,7 +48,8 @@ class RestartRecord:
     """One restart of a worker slot (``env.restarts`` lists them, oldest first).
 
     ``cause`` is the dead worker's exit code (``-9`` for SIGKILL), ``"hung"`` (no answer within
-    ``step_timeout``) or the name of the exception its env raised (``restart_on_error=True``).
+    ``step_timeout``) or the name of the exception its env raised (``restart_on_error=True``, or
+    a call forwarded to the env, ``env.some_method()``, that failed there).
 
     Example:
         >>> r = RestartRecord(slot=1, old_pid=41, new_pid=42, cause=-9, command="step",

@@ -21,6 +21,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,7 @@ from ._report import Outcome, SupervisionReport, WorkerOutcome
 from ._tag import Tag
 from ._wire import read_report, rebuild_exception
 
-__all__ = ["WorkerSupervisor"]
+__all__ = ["WorkerSupervisor", "is_forwarded_call"]
 
 log = logging.getLogger("torchrl_ext")
 
@@ -45,19 +46,35 @@ LOST_PIPE_WAIT = 1.0
 
 
 class _ParentChannel:
-    """The parent's end of a worker pipe, remembering the last command sent."""
+    """The parent's end of a worker pipe, remembering the last command sent.
+
+    A read that finds the worker gone raises the worker's failure (``on_eof``, set by the
+    supervisor) instead of a bare ``EOFError``: the exception its env raised, or
+    :class:`WorkerDiedError`. That is how a call forwarded to the workers' envs
+    (``env.some_method()``) that fails there raises the env's error itself: TorchRL's worker
+    loop cannot survive it, and the pipe's EOF is all the caller would see.
+    """
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
         self.last_command: str | None = None
-        # Bound once: read after every step (no __getattr__ on the hot path).
-        self.recv = conn.recv
+        self.on_eof: Callable[[], BaseException | None] | None = None
+        # Bound once: polled after every step (no __getattr__ on the hot path).
         self.poll = conn.poll
 
     def send(self, obj: Any) -> None:
         if isinstance(obj, tuple) and obj and isinstance(obj[0], str):
             self.last_command = obj[0]
         self._conn.send(obj)
+
+    def recv(self) -> Any:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            failure = self.on_eof() if self.on_eof is not None else None
+            if failure is not None:
+                raise failure from None
+            raise
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._conn, name)
@@ -66,6 +83,13 @@ class _ParentChannel:
 #: Commands TorchRL's worker loop answers through the shared buffers and done flags only (with
 #: restarts, specs are tensor-only: no non-tensor answer on the pipe either).
 _NO_PIPE_ANSWER = frozenset({"init", "reset", "step", "step_and_maybe_reset", "close", "load_state_dict"})
+#: Every command of TorchRL's worker loop; anything else sent is a call forwarded to the env.
+_COMMANDS = _NO_PIPE_ANSWER | {"seed", "state_dict", "set_env_snapshot"}
+
+
+def is_forwarded_call(command: str | None) -> bool:
+    """Whether ``command`` (a channel's last) was a call forwarded to the worker's env."""
+    return command is not None and command not in _COMMANDS
 
 
 class _RestartableChannel(_ParentChannel):
@@ -83,9 +107,7 @@ class _RestartableChannel(_ParentChannel):
         super().__init__(conn)
         self.last_message: Any = None
         self.intercept: Any = None
-        self.on_eof: Any = None
         self.owed = 0
-        self.recv = self._recv
 
     def send(self, obj: Any) -> None:
         command = obj[0] if isinstance(obj, tuple) and obj else None
@@ -101,14 +123,8 @@ class _RestartableChannel(_ParentChannel):
         if command is not None and not (isinstance(command, str) and command in _NO_PIPE_ANSWER):
             self.owed += 1
 
-    def _recv(self) -> Any:
-        try:
-            message = self._conn.recv()
-        except (EOFError, OSError):
-            failure = self.on_eof() if self.on_eof is not None else None
-            if failure is not None:
-                raise failure from None
-            raise
+    def recv(self) -> Any:
+        message = super().recv()
         if self.owed:
             self.owed -= 1
         return message
@@ -218,8 +234,7 @@ class WorkerSupervisor:
             ctime = time.time()
         _reaper_client.send({"op": "watch", "pid": process.pid, "ctime": ctime, "pgid": process.pid})
         worker = _Worker(index, process, process.pid, ctime, recorder)
-        if isinstance(recorder, _RestartableChannel):
-            recorder.on_eof = functools.partial(self._loss_of, worker)
+        recorder.on_eof = functools.partial(self._loss_of, worker)
         return worker
 
     def _loss_of(self, worker: _Worker) -> BaseException | None:
@@ -255,8 +270,9 @@ class WorkerSupervisor:
         _reaper_client.send({"op": "unwatch", "pid": old.pid})
         with contextlib.suppress(ValueError, AssertionError):
             old.process.close()  # its status was collected when it was lost
+        old.channel.on_eof = None  # it refers back to the worker
         if isinstance(old.channel, _RestartableChannel):
-            old.channel.on_eof = old.channel.intercept = None  # they refer back to the worker
+            old.channel.intercept = None
         with contextlib.suppress(OSError):
             old.channel.close()  # now, not when a collection finds the old record
         self._wake_watcher()
