@@ -6,9 +6,10 @@ each build a ManagedParallelEnv (``daemon_workers=False``) whose env workers eac
 ``DataLoader(num_workers=2)``, collects a few batches, writes ``--ready`` (JSON with its pid
 and the collector workers' pids), then collects forever until it is killed.
 
-The helpers (:func:`make_managed_env`, :func:`make_policy`, :func:`check_toy_batch`) are
-shared with ``tests/test_collectors.py`` and ``tests/test_ray.py``; they are importable by
-reference, so they work under spawn and inside Ray workers.
+The helpers (:func:`make_managed_env`, :func:`make_policy`, :func:`check_toy_batch`,
+:func:`read_restart_logs`) are shared with ``tests/test_collectors.py``, ``tests/test_ray.py``
+and ``tests/test_restarts.py``; they are importable by reference, so they work under spawn and
+inside Ray workers.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import multiprocessing
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,12 +49,63 @@ def collector_classes() -> dict[str, Any]:
     }
 
 
+class RestartLoggingEnv(ManagedParallelEnv):
+    """A ManagedParallelEnv that keeps its own account of its restarts, in the process that
+    owns it (a collector worker): a ``MultiAsyncCollector`` does not deliver every batch its
+    workers collect, so the delivered batches cannot prove what a worker saw.
+
+    It appends JSON lines to ``<restart_log>/<owner pid>.jsonl``: one when it is built, then one
+    after each ``step_and_maybe_reset`` (what collectors call) that returned a marked transition
+    or after which ``restarts`` grew. Each line holds the number of such calls so far
+    (``step``), the slots marked in that call's ``("next", "worker_restarted")`` (``marked``)
+    and every restart so far (``restarts``: ``[slot, old_pid, new_pid, cause, command]``).
+    """
+
+    def __init__(self, *args: Any, restart_log: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # __dict__ directly: ParallelEnv forwards attributes it lacks to the workers.
+        self.__dict__["_restart_log"] = os.path.join(restart_log, f"{os.getpid()}.jsonl")
+        self.__dict__["_logged_steps"] = 0
+        self.__dict__["_logged_restarts"] = 0
+        self._log_restarts([])
+
+    def step_and_maybe_reset(self, tensordict: Any) -> Any:
+        out, root = super().step_and_maybe_reset(tensordict)
+        self.__dict__["_logged_steps"] += 1
+        marks = out.get(("next", "worker_restarted"), None)
+        marked = [] if marks is None else marks.reshape(-1).nonzero().flatten().tolist()
+        if marked or len(self.restarts) != self.__dict__["_logged_restarts"]:
+            self._log_restarts(marked)
+        return out, root
+
+    def _log_restarts(self, marked: list[int]) -> None:
+        restarts = self.restarts
+        self.__dict__["_logged_restarts"] = len(restarts)
+        line = {
+            "pid": os.getpid(),
+            "step": self.__dict__["_logged_steps"],
+            "marked": marked,
+            "restarts": [[r.slot, r.old_pid, r.new_pid, r.cause, r.command] for r in restarts],
+        }
+        with open(self.__dict__["_restart_log"], "a") as fh:
+            fh.write(json.dumps(line) + "\n")
+
+
+def read_restart_logs(log_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
+    """What each :class:`RestartLoggingEnv` logged in ``log_dir``: owner pid -> its lines."""
+    logs = {}
+    for path in Path(log_dir).glob("*.jsonl"):
+        logs[int(path.stem)] = [json.loads(line) for line in path.read_text().splitlines() if line]
+    return logs
+
+
 def make_managed_env(
     num_workers: int = 2,
     loader: str = "persistent",
     pid_dir: str | None = None,
     method: str = "fork",
     subprocess_kind: str | None = None,
+    restart_log: str | None = None,
     **kwargs: Any,
 ) -> ManagedParallelEnv:
     """A ManagedParallelEnv of ToyEnvs, each with a DataLoader(num_workers=2) in reset().
@@ -61,11 +114,21 @@ def make_managed_env(
     default is: a collector worker started by spawn inherits spawn as its default.
     ``subprocess_kind`` ("plain" or "setsid") adds a simulator subprocess per env worker; it
     is exec'd, so its ``TORCHRL_EXT_OWNER`` tag is visible in ``/proc/PID/environ``.
+    ``restart_log`` (a directory) makes it a :class:`RestartLoggingEnv` logging there.
     ``kwargs`` go to ``ManagedParallelEnv``.
     """
     fn = functools.partial(
         make_env, loader=loader, dl_context="fork", pid_dir=pid_dir, subprocess_kind=subprocess_kind
     )
+    if restart_log is not None:
+        return RestartLoggingEnv(
+            num_workers,
+            fn,
+            daemon_workers=False,
+            mp_start_method=method,
+            restart_log=restart_log,
+            **kwargs,
+        )
     return ManagedParallelEnv(num_workers, fn, daemon_workers=False, mp_start_method=method, **kwargs)
 
 

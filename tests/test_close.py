@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -81,14 +82,21 @@ def test_close_healthy_twice_reports_graceful(method: str, tmp_path: Path) -> No
     assert not [p for p in children if _our_zombie(p)], "close() leaves no defunct child to the main process"
 
 
+class ForkserverExitCode255(AssertionError):
+    """The one assertion the known forkserver race trips: the report's exit code is 255."""
+
+
 #: Known defect (docs/guarantees.md): a forkserver child's exit status reaches its parent once,
 #: through ``Popen.poll``, which is not thread-safe: when the supervisor thread and the main
 #: thread (TorchRL 0.10's wait checks ``is_alive()``) poll a dying worker at the same moment,
 #: one of them reads EOF and multiprocessing records exit code 255. Seen on TorchRL 0.10.1
-#: under load; not strict, as it is a race.
+#: under load; not strict, as it is a race. It covers only :class:`ForkserverExitCode255`,
+#: which the test raises for that exit code alone, after every other check has passed: any
+#: other failure of the case fails the run.
 _RACY_FORKSERVER_EXITCODE = pytest.mark.xfail(
     not HAS_DAEMON_KWARG,
     strict=False,
+    raises=ForkserverExitCode255,
     reason="library bug: concurrent Popen.poll() of a forkserver worker can record exit code 255",
 )
 
@@ -117,8 +125,14 @@ def test_close_after_worker_was_sigkilled(method: str, tmp_path: Path) -> None:
     report = env.supervision_report
     assert report is not None
     outcomes = {w.index: w for w in report.workers}
-    assert outcomes[1].outcome == "died" and outcomes[1].exitcode == -signal.SIGKILL
-    assert outcomes[0].outcome == "graceful"
+    assert sorted(outcomes) == [0, 1], str(report)
+    assert (outcomes[1].pid, outcomes[1].outcome) == (victim, "died"), str(report)
+    assert outcomes[0].outcome == "graceful", str(report)
+    # Last, and alone: the exit code, which the known race (above) can turn into 255.
+    exitcode = outcomes[1].exitcode
+    if exitcode == 255 and method == "forkserver" and not HAS_DAEMON_KWARG:
+        raise ForkserverExitCode255(f"the known race: exit code 255 instead of -9\n{report}")
+    assert exitcode == -signal.SIGKILL, str(report)
 
 
 @pytest.mark.parametrize(
@@ -214,15 +228,39 @@ _STRANGER = (
 )
 
 
-def _recycle_pid(pid: int, attempts: int = 50) -> subprocess.Popen[str] | None:
+NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
+
+
+def cannot_choose_next_pid() -> str | None:
+    """Why this machine cannot choose the next pid (``None``: it can): writing
+    ``/proc/sys/kernel/ns_last_pid`` needs root (CAP_SYS_ADMIN over the pid namespace) and a
+    writable ``/proc/sys``. Tried by writing back its current value, which changes nothing
+    (the kernel never hands out a pid in use). The recycled-group test skips exactly when this
+    says so, and tests/test_docs.py refuses a guarantee row that claims a skipped case."""
+    try:
+        last = NS_LAST_PID.read_text().strip()
+        with NS_LAST_PID.open("w") as fh:
+            fh.write(last)
+    except OSError as err:
+        return f"cannot choose the next pid here ({NS_LAST_PID}: {err.strerror or err}; it needs root)"
+    return None
+
+
+#: Tests of this module that skip on some machines: test name -> the check that says why for a
+#: start method (``None``: it runs). tests/test_docs.py calls these for the start methods each
+#: guarantee row claims, so that no row claims a case this machine skips.
+MACHINE_SKIPS: dict[str, Callable[[str | None], str | None]] = {
+    # Under every start method alike.
+    "test_close_leaves_a_stranger_in_a_recycled_process_group_alone": lambda method: cannot_choose_next_pid(),
+}
+
+
+def _recycle_pid(pid: int, attempts: int = 50) -> subprocess.Popen[str]:
     """Start a stranger that gets ``pid`` and leads a new session, so its process group id is
-    ``pid`` (a recycled group). ``None`` if the kernel does not let us choose the pid."""
+    ``pid`` (a recycled group). Only where :func:`cannot_choose_next_pid` says it can: a
+    failure here fails the test (it would otherwise prove nothing, silently)."""
     for _ in range(attempts):
-        try:
-            with open("/proc/sys/kernel/ns_last_pid", "w") as fh:
-                fh.write(str(pid - 1))
-        except OSError:
-            return None
+        NS_LAST_PID.write_text(str(pid - 1))
         proc = subprocess.Popen(
             [sys.executable, "-c", _STRANGER], start_new_session=True, stdout=subprocess.PIPE, text=True
         )
@@ -230,7 +268,11 @@ def _recycle_pid(pid: int, attempts: int = 50) -> subprocess.Popen[str] | None:
             return proc
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    return None
+        assert proc.stdout is not None
+        proc.stdout.close()
+    raise AssertionError(
+        f"pid {pid} was not given to any of {attempts} new processes (taken again meanwhile?)"
+    )
 
 
 @pytest.mark.compat
@@ -238,6 +280,9 @@ def _recycle_pid(pid: int, attempts: int = 50) -> subprocess.Popen[str] | None:
 def test_close_leaves_a_stranger_in_a_recycled_process_group_alone(method: str) -> None:
     """A worker dies; its pid, which was its process group's id, is then reused by a stranger
     that leads a new group. ``close()`` must not signal that group (live-anchor rule)."""
+    reason = MACHINE_SKIPS["test_close_leaves_a_stranger_in_a_recycled_process_group_alone"](method)
+    if reason is not None:
+        pytest.skip(reason)
     env = ManagedParallelEnv(2, functools.partial(make_env), daemon_workers=False, mp_start_method=method)
     stranger = None
     try:
@@ -248,8 +293,6 @@ def test_close_leaves_a_stranger_in_a_recycled_process_group_alone(method: str) 
             env.rollout(2)
         wait_until(lambda: not psutil.pid_exists(victim), "the dead worker is reaped")
         stranger = _recycle_pid(victim)
-        if stranger is None:
-            pytest.skip("cannot choose the next pid here (/proc/sys/kernel/ns_last_pid needs root)")
         assert stranger.stdout is not None
         helper = int(stranger.stdout.readline())
         assert os.getpgid(stranger.pid) == os.getpgid(helper) == victim

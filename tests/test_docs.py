@@ -245,18 +245,41 @@ class CitedTest:
 
     compat: bool  # some of its cases are in the compat suite (also run on TorchRL 0.10.1)
     methods: frozenset[str]  # start methods among its parameters or quoted in its source
+    #: Its cases: their string parameters, and why a skip mark skips the case here (or None).
+    cases: tuple[tuple[frozenset[str], str | None], ...] = ()
+
+    def skipped_here(self, module: str, name: str, method: str | None) -> str | None:
+        """Why this machine skips the cases of ``method`` (all cases if none of them has it as
+        a parameter; ``None``: they run): every such case carries a skip mark that applies
+        here, or the test's module names it in ``MACHINE_SKIPS`` (test name -> the check the
+        test itself calls before it skips), whose check gives a reason for ``method``."""
+        relevant = [skip for params, skip in self.cases if method in params] or [
+            skip for _params, skip in self.cases
+        ]
+        if relevant and all(relevant):
+            return f"every case is skipped by a mark: {relevant[0]}"
+        try:
+            checks = getattr(importlib.import_module(module), "MACHINE_SKIPS", {})
+        except pytest.skip.Exception as err:  # a module-level skip (importorskip)
+            return f"its module is skipped: {err}"
+        check = checks.get(name)
+        return None if check is None else check(method)
 
 
-_METHOD = re.compile(r"\b(forkserver|fork|spawn|preloaded)\b")
-_QUOTED_METHOD = re.compile(r"""["'](forkserver|fork|spawn|preloaded)["']""")
+#: Start paths a row may claim. "default": no ``mp_start_method`` at all, each class's default
+#: (the contract suite's ``"default"`` parameter); "preloaded": the managed default's server.
+_METHOD = re.compile(r"\b(forkserver|fork|spawn|preloaded|default)\b")
+_QUOTED_METHOD = re.compile(r"""["'](forkserver|fork|spawn|preloaded|default)["']""")
 _CITED = re.compile(r"`((?:\w+/)*test_\w+\.py)::(test_\w+)`")
 
 # Run by the test below in a fresh interpreter: collect the given files and print, for each
-# test function, whether a case of it carries the compat mark and its parameter values.
+# test function, whether a case of it carries the compat mark, its parameter values, and for
+# each case its string parameters and why a skip mark skips it here (skip, skipif).
 _COLLECT = """
 import json, sys
 from pathlib import Path
 import pytest
+from _pytest.skipping import evaluate_skip_marks
 
 found = {}
 
@@ -264,11 +287,15 @@ class Collect:
     def pytest_collection_modifyitems(self, items):
         for item in items:
             key = f"{Path(item.path).relative_to(Path('tests').resolve()).as_posix()}::{item.originalname}"
-            entry = found.setdefault(key, {"compat": False, "params": []})
+            entry = found.setdefault(key, {"compat": False, "params": [], "cases": []})
             entry["compat"] = entry["compat"] or item.get_closest_marker("compat") is not None
             callspec = getattr(item, "callspec", None)
+            params = []
             if callspec is not None:
-                entry["params"] += [v for v in callspec.params.values() if isinstance(v, str)]
+                params = [v for v in callspec.params.values() if isinstance(v, str)]
+                entry["params"] += params
+            skip = evaluate_skip_marks(item)
+            entry["cases"].append([params, None if skip is None else skip.reason or "skip mark"])
 
 code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *sys.argv[1:]], plugins=[Collect()])
 print("COLLECTED" + json.dumps(found))
@@ -323,6 +350,7 @@ def _cited_tests(rows: list[list[str]]) -> dict[str, CitedTest]:
         key: CitedTest(
             entry["compat"],
             frozenset({*quoted.get(key, ()), *(p for p in entry["params"] if _METHOD.fullmatch(p))}),
+            tuple((frozenset(params), skip) for params, skip in entry["cases"]),
         )
         for key, entry in json.loads(line[len("COLLECTED") :]).items()
     }
@@ -331,7 +359,9 @@ def _cited_tests(rows: list[list[str]]) -> dict[str, CitedTest]:
 def test_guarantee_table_cites_existing_tests() -> None:
     """Every row cites tests that pytest collects, and names where they are proven: the TorchRL
     releases (0.10.1 exactly when every cited test has cases in the compat suite) and the start
-    methods (forkserver and spawn only where every cited test runs them)."""
+    methods (forkserver and spawn only where every cited test runs them). A row claims nothing
+    this machine skips: no cited test is skipped here for a start method the row names (by a
+    skip mark, a skipped module, or the test's own machine check, ``MACHINE_SKIPS``)."""
     rows = _guarantee_rows()
     assert len(rows) >= 20
     defined = _cited_tests(rows)
@@ -354,6 +384,15 @@ def test_guarantee_table_cites_existing_tests() -> None:
         for method in claimed - {"fork"}:
             missing = [c for c, t in zip(cited, tests, strict=True) if method not in t.methods]
             assert not missing, f"row claims {method}, which {missing} do not run: {row}"
+        for c, t in zip(cited, tests, strict=True):
+            path, name = c.split("::")
+            module = "tests." + path.removesuffix(".py").replace("/", ".")
+            for method in sorted(claimed) or [None]:
+                reason = t.skipped_here(module, name, method)
+                assert reason is None, (
+                    f"row claims {method or 'its cases'}, but {c} is skipped on this machine "
+                    f"({reason}): {row}"
+                )
 
 
 def test_readme_links_resolve() -> None:

@@ -22,9 +22,15 @@ import psutil
 import pytest
 import torch
 
-from tests.collector_scenarios import check_toy_batch, collector_classes, make_managed_env, make_policy
+from tests.collector_scenarios import (
+    check_toy_batch,
+    collector_classes,
+    make_managed_env,
+    make_policy,
+    read_restart_logs,
+)
 from tests.conftest import Scenario, fd_count, pid_alive, shm_entries, start_kwargs
-from tests.envs import OBS, make_env
+from tests.envs import OBS, ToyEnv, _claim, make_env
 from tests.polling import wait_until
 from tests.test_faults import assert_no_shm_growth
 from torchrl_ext import ManagedParallelEnv, RestartRecord, WorkerDiedError, WorkerHungError
@@ -371,10 +377,11 @@ def test_twenty_restarts_leak_nothing(method: str, tmp_path: Path) -> None:
         assert len(env.restarts) == 20
         assert not [pid for pid in lost if pid_alive(pid)]
         # No descriptor, thread or /dev/shm entry per restart (the supervisor closes a retired
-        # worker's pidfd in its own thread: poll).
+        # worker's pidfd in its own thread: poll). The current workers' events are in use:
+        # under spawn and forkserver their semaphores are named, and new since the snapshot.
         wait_until(lambda: fd_count() <= fds + 2, f"fds back to {fds} (now {fd_count()})")
         assert threading.active_count() <= threads + 1
-        assert_no_shm_growth(shm, cycles=20)
+        assert_no_shm_growth(shm, cycles=20, in_use=env.__dict__.get("_events") or [])
         me = psutil.Process()
         assert not [c for c in me.children(recursive=True) if c.status() == psutil.STATUS_ZOMBIE]
     finally:
@@ -426,24 +433,52 @@ def test_single_process_collector_never_sees_the_loss(tmp_path: Path) -> None:
 @pytest.mark.compat
 @pytest.mark.parametrize("kind", ["multisync", "multiasync"])
 def test_multi_collectors_never_see_the_loss(kind: str, tmp_path: Path, restore_start_method: None) -> None:
+    """Each collector worker's env logs its own restarts and the marked transitions it returned
+    (``RestartLoggingEnv``): a ``MultiAsyncCollector`` stops at ``total_frames`` without
+    delivering every batch its workers collected, so the claim is proven from the collector
+    workers' own records, not from the delivered batches."""
+    log_dir = tmp_path / "restart-logs"
+    log_dir.mkdir()
     env_fn = functools.partial(
         make_managed_env,
         num_workers=2,
         loader="persistent",
         max_restarts=2,
         create_env_kwargs=[{}, _die_once(tmp_path, 4)],
+        restart_log=str(log_dir),
     )
     collector = COLLECTORS[kind]([env_fn, env_fn], make_policy(), frames_per_batch=40, total_frames=160)
     try:
+        workers = [proc.pid for proc in collector.procs]
         batches = list(collector)
     finally:
         collector.shutdown()
         for proc in collector.procs:
             proc.join(timeout=10)
     assert sum(b.numel() for b in batches) == 160
-    marked = sum(int(b["next", "worker_restarted"].sum()) for b in batches)
-    assert marked == 1  # one die flag for both collector workers: exactly one loss
-    assert (tmp_path / "die-4").exists()
+    # One die flag for all four env workers: exactly one of them died, at its 4th step.
+    died = int((tmp_path / "die-4").read_text())
+    logs = read_restart_logs(log_dir)
+    assert len(workers) == 2 and set(workers) <= set(logs), (workers, sorted(logs))
+    restarts = {pid: logs[pid][-1]["restarts"] for pid in workers}
+    marks = {pid: [(line["step"], slot) for line in logs[pid] for slot in line["marked"]] for pid in workers}
+    lost_in = [pid for pid in workers if restarts[pid]]
+    # The loss was a restart, in one collector worker, of the env worker that died.
+    assert len(lost_in) == 1 and len(restarts[lost_in[0]]) == 1, restarts
+    (owner,) = lost_in
+    ((slot, old_pid, new_pid, cause, command),) = restarts[owner]
+    assert (slot, old_pid, cause) == (1, died, -9) and new_pid != died
+    assert command in ("step", "step_and_maybe_reset"), command
+    # That collector worker saw the loss as one marked transition: in the restarted slot, in
+    # the step the worker died in (its 4th), and in no other step; the other saw no mark.
+    restarted_at = next(line["step"] for line in logs[owner] if line["restarts"])
+    assert restarted_at == 4 and marks[owner] == [(4, 1)], logs[owner]
+    assert not [marks[pid] for pid in workers if pid != owner and marks[pid]], marks
+    delivered = sum(int(b["next", "worker_restarted"].sum()) for b in batches)
+    if kind == "multisync":  # every batch holds both workers' first 20 steps: the mark is in one
+        assert delivered == 1
+    else:  # the marked batch may be one that total_frames left undelivered
+        assert delivered <= 1
 
 
 # --------------------------------------------------------------------------- chaos
@@ -600,22 +635,97 @@ def test_worker_that_answered_then_died_is_marked_and_later_steps_are_in_step(
         env.close(raise_if_closed=False)
 
 
+class _BlockingEnv(ToyEnv):
+    """A ToyEnv whose ``block_in`` method (``"state_dict"`` or ``"load_state_dict"``), the first
+    time a worker built with it calls it (once per ``gate`` file), records that the call arrived
+    (``in_<method>-<pid>-<pid>`` in ``pid_dir``) and then blocks until the worker is killed: a
+    loss that lands, deterministically, while the call is in flight."""
+
+    def __init__(self, block_in: str | None = None, gate: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.block_in = block_in
+        self.gate = gate
+
+    def _block_in(self, method: str) -> None:
+        if method == self.block_in and self._in_worker() and self.gate and _claim(self.gate):
+            assert self.pid_dir, "the blocking call records its arrival in pid_dir"
+            self._record(f"in_{method}", os.getpid())
+            threading.Event().wait()  # until SIGKILL
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self._block_in("state_dict")
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self._block_in("load_state_dict")
+        return super().load_state_dict(*args, **kwargs)
+
+
+def _make_blocking_env(**kwargs: Any) -> _BlockingEnv:
+    return _BlockingEnv(**kwargs)
+
+
+def _lost_slots(env: ManagedParallelEnv) -> list[int]:
+    """The slots whose loss the supervisor has recorded and no call has handled yet."""
+    supervisor = env.__dict__["_trx"].supervisor
+    return [] if supervisor is None else [worker.index for worker in supervisor.lost]
+
+
+def _lose_before_the_call(env: ManagedParallelEnv, slot: int) -> int:
+    """SIGKILL worker ``slot`` and wait until the supervisor has recorded its loss (no call
+    in flight): the next call starts with a loss to handle. Returns the victim's pid."""
+    victim = env.worker_pids[slot]
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: _lost_slots(env) == [slot], f"the supervisor recorded the loss of worker {slot}")
+    assert env.restarts == []
+    return victim
+
+
+def _what_was_lost(err: WorkerDiedError) -> tuple[Any, ...]:
+    return (err.worker_index, err.pid, err.exitcode, err.last_command)
+
+
+#: Where the loss lands: "before" the call (recorded by the supervisor when the call starts:
+#: the slot is replaced first and the call returns normally), or "during" it (the worker is
+#: killed inside the env method the call runs: the call raises the loss, and the next call
+#: replaces the slot).
+LOSS_TIMES = ["before", "during"]
+
+
 @pytest.mark.compat
-def test_calls_answered_on_the_pipes_stay_in_step_after_a_loss() -> None:
-    """A loss during ``state_dict()`` (answers come back on the pipes) leaves no answer of it
-    for a later call to read: ``set_seed`` and forwarded attributes get their own answers."""
+@pytest.mark.parametrize("when", LOSS_TIMES)
+def test_calls_answered_on_the_pipes_stay_in_step_after_a_loss(when: str, tmp_path: Path) -> None:
+    """A loss before or during ``state_dict()`` (answers come back on the pipes) leaves no
+    answer of it for a later call to read: ``set_seed`` and forwarded attributes get their own
+    answers. During: worker 0 is killed inside its env's ``state_dict()``; worker 1 has been
+    asked too, and the answer it owes on its pipe must be dropped, not read by a later call."""
+    blocks = {"block_in": "state_dict" if when == "during" else None}
     env = ManagedParallelEnv(
-        2, make_env, daemon_workers=False, max_restarts=2, shutdown_timeout=2.0, mp_start_method="fork"
+        2,
+        functools.partial(_make_blocking_env, gate=str(tmp_path / "gate"), pid_dir=str(tmp_path)),
+        create_env_kwargs=[blocks, {}],  # worker 0 (and its replacement, once) blocks
+        daemon_workers=False,
+        max_restarts=2,
+        shutdown_timeout=2.0,
+        mp_start_method="fork",
     )
     try:
         env.reset()
-        os.kill(env.worker_pids[0], signal.SIGKILL)
-        try:  # the loss is seen before the call (restarted first) or during it (raised)
-            env.state_dict()
-        except WorkerDiedError:
-            pass
+        if when == "before":
+            victim = _lose_before_the_call(env, 0)
+            state = env.state_dict()  # returns normally: the slot was replaced first
+            assert sorted(state) == ["worker0", "worker1"]
+            assert [(r.slot, r.old_pid, r.command) for r in env.restarts] == [(0, victim, "reset")]
+        else:
+            victim = env.worker_pids[0]
+            _kill_when(tmp_path, "in_state_dict", victim)
+            with pytest.raises(WorkerDiedError) as info:
+                env.state_dict()
+            assert _what_was_lost(info.value) == (0, victim, -9, "state_dict")
+            assert env.restarts == [] and _lost_slots(env) == [0]  # raised, not replaced yet
         env.rollout(3)
-        assert len(env.restarts) == 1
+        assert [(r.slot, r.old_pid) for r in env.restarts] == [(0, victim)]
+        assert env.restarts[0].command == ("reset" if when == "before" else "state_dict")
         assert env.set_seed(1) == env.set_seed(1)
         assert list(env.step_sleep) == [0.0, 0.0]  # forwarded to the workers
     finally:
@@ -623,10 +733,21 @@ def test_calls_answered_on_the_pipes_stay_in_step_after_a_loss() -> None:
 
 
 @pytest.mark.compat
-def test_load_state_dict_never_returns_normally_without_reaching_every_worker() -> None:
+@pytest.mark.parametrize("when", LOSS_TIMES)
+def test_load_state_dict_never_returns_normally_without_reaching_every_worker(
+    when: str, tmp_path: Path
+) -> None:
+    """Before: ``load_state_dict`` replaces the lost slot first and loads the state everywhere.
+    During: worker 1 is killed inside its env's ``load_state_dict`` (TorchRL waits out its
+    answer, ``shutdown_timeout``, and would return): the call raises the loss; the next one
+    replaces the slot first."""
+    blocks = {"block_in": "load_state_dict" if when == "during" else None}
     env = ManagedParallelEnv(
         2,
-        functools.partial(make_env, offset=True),
+        functools.partial(
+            _make_blocking_env, offset=True, gate=str(tmp_path / "gate"), pid_dir=str(tmp_path)
+        ),
+        create_env_kwargs=[{}, blocks],  # worker 1 (and its replacement, once) blocks
         daemon_workers=False,
         max_restarts=2,
         shutdown_timeout=2.0,  # TorchRL >= 0.13 waits this long for a lost worker's answer
@@ -637,12 +758,20 @@ def test_load_state_dict_never_returns_normally_without_reaching_every_worker() 
         state = env.state_dict()
         for worker in state.values():
             worker["offset"] = torch.full((OBS,), 7.0)
-        os.kill(env.worker_pids[1], signal.SIGKILL)
-        try:  # the loss is seen before the call (replaced first) or during it (raised)
-            env.load_state_dict(state)
-        except WorkerDiedError:
+        if when == "before":
+            victim = _lose_before_the_call(env, 1)
+            env.load_state_dict(state)  # returns normally: the slot was replaced first
+            # What the victim was last asked: the state_dict() above.
+            assert [(r.slot, r.old_pid, r.command) for r in env.restarts] == [(1, victim, "state_dict")]
+        else:
+            victim = env.worker_pids[1]
+            _kill_when(tmp_path, "in_load_state_dict", victim)
+            with pytest.raises(WorkerDiedError) as info:
+                env.load_state_dict(state)
+            assert _what_was_lost(info.value) == (1, victim, -9, "load_state_dict")
+            assert env.restarts == [] and _lost_slots(env) == [1]  # raised, not replaced yet
             env.load_state_dict(state)  # the slot is replaced first
-        assert len(env.restarts) == 1
+            assert [(r.slot, r.old_pid, r.command) for r in env.restarts] == [(1, victim, "load_state_dict")]
         assert all(torch.equal(w["offset"], torch.full((OBS,), 7.0)) for w in env.state_dict().values())
     finally:
         env.close(raise_if_closed=False)

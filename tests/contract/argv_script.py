@@ -1,4 +1,4 @@
-"""Run as a script: ``python argv_script.py upstream|managed OUT_DIR``.
+"""Run as a script: ``python argv_script.py upstream|managed OUT_DIR default|METHOD``.
 
 It reads ``sys.argv`` at module level, above its ``__main__`` guard, as many training scripts
 do: spawn sets ``sys.argv`` (and the working directory, ``sys.path``, ...) before it imports the
@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-IMPL, OUT_DIR = sys.argv[1], sys.argv[2]  # at module level, on purpose
+IMPL, OUT_DIR, START = sys.argv[1], sys.argv[2], sys.argv[3]  # at module level, on purpose
 
 
 def probe() -> Any:
@@ -45,7 +45,8 @@ if __name__ == "__main__":
 
     os.environ["ARGV_SCRIPT_MAIN_PID"] = str(os.getpid())
     cls = ParallelEnv if IMPL == "upstream" else ManagedParallelEnv
-    env = cls(2, probe)  # the default path: no start method, no daemon flag
+    # "default": the default path, no start method and no daemon flag.
+    env = cls(2, probe) if START == "default" else cls(2, probe, mp_start_method=START)
     try:
         env.rollout(2)
         print(env.start_method if isinstance(env, ManagedParallelEnv) else "upstream")

@@ -66,16 +66,14 @@ class Variant:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Build the batched env: ``cls(*args, **kwargs, **self.kwargs)``.
 
-        The managed class on the default path (``mp_start_method=None``, non-daemonic workers)
-        must really be on the preloaded fork server: that is the path the case is about."""
+        ``mp_start_method="default"`` is the default path: no start method at all. The managed
+        class there, with non-daemonic workers, must really be on the preloaded fork server:
+        that is the path the case is about."""
+        default_path = kwargs.get("mp_start_method") == "default"
+        if default_path:
+            kwargs = {k: v for k, v in kwargs.items() if k != "mp_start_method"}
         env = self.cls(*args, **kwargs, **self.kwargs)
-        all_kwargs = {**kwargs, **self.kwargs}
-        if (
-            isinstance(env, ManagedParallelEnv)
-            and "mp_start_method" in all_kwargs
-            and all_kwargs["mp_start_method"] is None
-            and not env.daemon_workers
-        ):
+        if default_path and isinstance(env, ManagedParallelEnv) and not env.daemon_workers:
             assert env.start_method == "preloaded", f"default path not preloaded: {env.start_method}"
         return env
 

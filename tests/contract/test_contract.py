@@ -57,9 +57,9 @@ from tests.contract.helpers import (
 
 #: The start methods of a test about a pure data path (see the module doc).
 DATA_PATH_METHODS = [m for m in START_METHODS if m != "spawn"]
-#: ``None``: no ``mp_start_method`` at all, each class's default path (see the module doc).
-DEFAULT_PATH = pytest.param(None, id="default")
-every_start_method = pytest.mark.parametrize("mp_start_method", [DEFAULT_PATH, *START_METHODS])
+#: ``"default"``: no ``mp_start_method`` at all, each class's default path (see the module doc
+#: and ``Variant``).
+every_start_method = pytest.mark.parametrize("mp_start_method", ["default", *START_METHODS])
 data_path_start_methods = pytest.mark.parametrize("mp_start_method", DATA_PATH_METHODS)
 
 pytestmark = [
@@ -133,7 +133,7 @@ def upstream(records: dict[str, Record], step: str) -> Any:
 @every_start_method
 # --------------------------------------------------------------------------- 1. views
 @pytest.mark.skipif(not HAS_VIEWS, reason="this TorchRL has no indexed views of batched envs")
-def test_indexed_views_share_workers_and_close_like_upstream(mp_start_method: str | None) -> None:
+def test_indexed_views_share_workers_and_close_like_upstream(mp_start_method: str) -> None:
     """``env[0:1]`` and ``env[[0]]`` are views on worker 0 and give the same data; closing a
     view leaves the parent's workers alone (the parent keeps stepping and closes normally);
     a view used after its parent closed, or after it was closed, raises upstream's error."""
@@ -176,7 +176,7 @@ def test_indexed_views_share_workers_and_close_like_upstream(mp_start_method: st
 @every_start_method
 # --------------------------------------------------------------------------- 2. EnvCreator
 @pytest.mark.compat
-def test_env_creator_shared_vecnorm_statistics(mp_start_method: str | None) -> None:
+def test_env_creator_shared_vecnorm_statistics(mp_start_method: str) -> None:
     """Workers built from an ``EnvCreator`` update the ``VecNorm`` statistics that the
     EnvCreator holds in shared memory in the main process."""
 
@@ -213,7 +213,7 @@ def test_env_creator_shared_vecnorm_statistics(mp_start_method: str | None) -> N
 
 @every_start_method
 @pytest.mark.compat
-def test_env_creator_shared_traj_counter(mp_start_method: str | None) -> None:
+def test_env_creator_shared_traj_counter(mp_start_method: str) -> None:
     """A ``TrajCounter`` shared through an ``EnvCreator`` (an ``mp.Value``) numbers the
     trajectories of all workers from one counter, which the main process sees."""
 
@@ -245,7 +245,7 @@ def test_env_creator_shared_traj_counter(mp_start_method: str | None) -> None:
 @data_path_start_methods
 # --------------------------------------------------------------------------- 3. metadata_from_workers
 @pytest.mark.skipif(not HAS_METADATA_FROM_WORKERS, reason="this TorchRL has no metadata_from_workers")
-def test_metadata_from_workers_specs_and_rollout(mp_start_method: str | None) -> None:
+def test_metadata_from_workers_specs_and_rollout(mp_start_method: str) -> None:
     """With ``metadata_from_workers=True`` (and ``use_buffers=False``) the workers start at
     construction and report the specs; specs and data are upstream's."""
 
@@ -276,7 +276,7 @@ def test_metadata_from_workers_specs_and_rollout(mp_start_method: str | None) ->
 
 @every_start_method
 @pytest.mark.skipif(not HAS_METADATA_FROM_WORKERS, reason="this TorchRL has no metadata_from_workers")
-def test_metadata_from_workers_factory_error(mp_start_method: str | None) -> None:
+def test_metadata_from_workers_factory_error(mp_start_method: str) -> None:
     """When the env factory raises in a worker during construction, the constructor raises
     upstream's exception: same type, same message (the worker's traceback it embeds is
     compared without its frame lines, which name files and lines)."""
@@ -309,7 +309,7 @@ def test_metadata_from_workers_factory_error(mp_start_method: str | None) -> Non
 @data_path_start_methods
 # --------------------------------------------------------------------------- 4. use_buffers
 @pytest.mark.compat
-def test_use_buffers_false_gives_upstream_data(mp_start_method: str | None) -> None:
+def test_use_buffers_false_gives_upstream_data(mp_start_method: str) -> None:
     """With ``use_buffers=False`` the data goes through the pipes instead of shared buffers,
     through code paths of its own (for partial resets, the parent keeps the workers' last
     outputs): rollout, step_and_maybe_reset loop and a partial reset give upstream's data.
@@ -340,7 +340,7 @@ def test_use_buffers_false_gives_upstream_data(mp_start_method: str | None) -> N
 @data_path_start_methods
 # --------------------------------------------------------------------------- 5. update_kwargs
 @pytest.mark.compat
-def test_update_kwargs_applies_at_next_start(mp_start_method: str | None) -> None:
+def test_update_kwargs_applies_at_next_start(mp_start_method: str) -> None:
     """``update_kwargs`` (a dict for all workers or one dict per worker) changes the kwargs
     the env factories get when the workers (re)start; a list of the wrong length raises."""
 
@@ -369,7 +369,7 @@ def test_update_kwargs_applies_at_next_start(mp_start_method: str | None) -> Non
 @data_path_start_methods
 # --------------------------------------------------------------------------- 6. seeds, state dicts
 @pytest.mark.compat
-def test_set_seed_and_state_dict(mp_start_method: str | None) -> None:
+def test_set_seed_and_state_dict(mp_start_method: str) -> None:
     """``set_seed`` returns upstream's next seed and seeds the workers alike;
     ``state_dict()`` has upstream's keys and values; ``load_state_dict`` (one state for all
     workers, or one per worker) changes the workers as upstream's does."""
@@ -409,7 +409,7 @@ def test_set_seed_and_state_dict(mp_start_method: str | None) -> None:
 @data_path_start_methods
 # --------------------------------------------------------------------------- 7. step_and_maybe_reset
 @pytest.mark.compat
-def test_step_and_maybe_reset_loop(mp_start_method: str | None) -> None:
+def test_step_and_maybe_reset_loop(mp_start_method: str) -> None:
     """The collector's loop: ``step_and_maybe_reset`` returns upstream's step data and next
     root (with the finished workers reset)."""
 
@@ -426,7 +426,7 @@ def test_step_and_maybe_reset_loop(mp_start_method: str | None) -> None:
 @data_path_start_methods
 # --------------------------------------------------------------------------- 8. partial resets
 @pytest.mark.compat
-def test_partial_reset_of_one_worker(mp_start_method: str | None) -> None:
+def test_partial_reset_of_one_worker(mp_start_method: str) -> None:
     """``reset`` with a ``_reset`` mask resets the selected worker only (the mask in the
     root of the next step, or alone in a TensorDict)."""
 
@@ -447,7 +447,7 @@ def test_partial_reset_of_one_worker(mp_start_method: str | None) -> None:
 @data_path_start_methods
 # --------------------------------------------------------------------------- 9. nested and heterogeneous
 @pytest.mark.compat
-def test_nested_and_heterogeneous_specs(mp_start_method: str | None) -> None:
+def test_nested_and_heterogeneous_specs(mp_start_method: str) -> None:
     """Two different envs (one factory each) with nested ``Composite`` observations and one
     key each of their own: the same (stacked) specs and the same lazily stacked data."""
 
@@ -474,7 +474,7 @@ def test_nested_and_heterogeneous_specs(mp_start_method: str | None) -> None:
 @every_start_method
 # --------------------------------------------------------------------------- 10. defaults
 @pytest.mark.skipif(not HAS_DAEMON, reason="this TorchRL hard-codes daemonic workers (no daemon=)")
-def test_defaults_daemon_and_shutdown_timeout(mp_start_method: str | None) -> None:
+def test_defaults_daemon_and_shutdown_timeout(mp_start_method: str) -> None:
     """The import swap alone gives upstream's defaults: ``env.daemon`` (``False`` since
     TorchRL 0.11) and ``env.shutdown_timeout`` (10.0 s since 0.13); both follow their kwargs."""
     explicit: dict[str, Any] = {"daemon": True}
@@ -498,7 +498,7 @@ def test_defaults_daemon_and_shutdown_timeout(mp_start_method: str | None) -> No
 
 @every_start_method
 @pytest.mark.skipif(not HAS_DAEMON, reason="this TorchRL hard-codes daemonic workers (no daemon=)")
-def test_workers_may_have_children_by_default(mp_start_method: str | None) -> None:
+def test_workers_may_have_children_by_default(mp_start_method: str) -> None:
     """What the default ``daemon=False`` means: a worker may start a child process (an env
     whose reset runs a DataLoader with workers, or a simulator)."""
 
@@ -514,7 +514,7 @@ def test_workers_may_have_children_by_default(mp_start_method: str | None) -> No
 
 @every_start_method
 @pytest.mark.compat
-def test_close_of_a_closed_env(mp_start_method: str | None) -> None:
+def test_close_of_a_closed_env(mp_start_method: str) -> None:
     """``close()`` of a closed env (never started, or closed already) raises upstream's
     ``RuntimeError`` (``raise_if_closed=True`` by default); ``close(raise_if_closed=False)``
     does not."""

@@ -29,10 +29,10 @@ pytestmark = pytest.mark.timeout(240)
 SCRIPT = Path(__file__).with_name("argv_script.py")
 
 
-def _run_script(impl: str, out: Path, cwd: Path) -> str:
+def _run_script(impl: str, out: Path, cwd: Path, start_path: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), impl, str(out), "extra-arg"],
+        [sys.executable, str(SCRIPT), impl, str(out), start_path],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -54,26 +54,26 @@ def test_script_reading_argv_at_module_level_sees_what_spawn_shows(tmp_path: Pat
     for impl in ("upstream", "managed"):
         out = tmp_path / impl
         out.mkdir()
-        printed = _run_script(impl, out, cwd)
+        printed = _run_script(impl, out, cwd, "default")
         if impl == "managed":
             assert printed == "preloaded", printed
         seen[impl] = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
     # Upstream: its 2 workers; managed: its 2 workers and the spec-reading process.
     assert len(seen["upstream"]) == 2 and len(seen["managed"]) == 3, seen
     upstream = seen["upstream"][0]
-    assert upstream["argv"] == [str(SCRIPT), "upstream", str(tmp_path / "upstream"), "extra-arg"]
+    assert upstream["argv"] == [str(SCRIPT), "upstream", str(tmp_path / "upstream"), "default"]
     assert upstream["cwd"] == str(cwd) and upstream["__main__.__name__"] == "__mp_main__"
     for impl, records in seen.items():
         for record in records:
             expected = dict(upstream)
-            expected["argv"] = [str(SCRIPT), impl, str(tmp_path / impl), "extra-arg"]
+            expected["argv"] = [str(SCRIPT), impl, str(tmp_path / impl), "default"]
             expected["module-level IMPL"] = impl
             assert record == expected, f"{impl} differs from upstream's spawned worker"
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("mp_start_method", [pytest.param(None, id="default"), *START_METHODS])
-def test_every_other_process_is_a_worker_by_its_thread_count(mp_start_method: str | None) -> None:
+@pytest.mark.parametrize("mp_start_method", ["default", *START_METHODS])
+def test_every_other_process_is_a_worker_by_its_thread_count(mp_start_method: str) -> None:
     """TorchRL's ``test_num_threads`` rule: a factory that runs outside the main process
     must see ``num_sub_threads`` torch threads, as a worker does (the spec-reading process
     too, which upstream does not have)."""
