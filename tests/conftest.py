@@ -37,6 +37,14 @@ START_METHODS = ["fork", "forkserver", "spawn"]
 WORKER_STARTS = [*START_METHODS, "preloaded"]
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child interpreter that imports ``tests`` and the
+    package from the checkout (the repository root first on ``PYTHONPATH``), plus ``extra``."""
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def start_kwargs(method: str) -> dict[str, Any]:
     """``ManagedParallelEnv`` kwargs that start workers by ``method`` (one of WORKER_STARTS)."""
     return {} if method == "preloaded" else {"mp_start_method": method}
@@ -281,8 +289,7 @@ class Scenario:
     ) -> None:
         """Run ``python -m module NAME ...``, or ``python script NAME ...`` (a ``__main__``
         with a path, as a user's program)."""
-        env = dict(os.environ, **(env_vars or {}))
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env = child_env(**(env_vars or {}))
         program = [str(script)] if script is not None else ["-m", module]
         cmd = [
             sys.executable,

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 import torchrl_ext
-from tests.conftest import kill_tree
+from tests.conftest import child_env, kill_tree
 from torchrl_ext import _errors
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,8 +113,7 @@ def test_python_block_runs(block: CodeBlock, tmp_path: Path) -> None:
     script = tmp_path / "block.py"
     script.write_text(block.code, encoding="utf-8")
     report = tmp_path / "harness.json"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env = child_env()
     cmd = [sys.executable, str(HARNESS), str(report), str(BLOCK_LINGER), "--", sys.executable, str(script)]
     proc = subprocess.Popen(
         cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -331,8 +330,7 @@ def _cited_tests(rows: list[list[str]]) -> dict[str, CitedTest]:
     """What pytest collects of every test the rows cite (a test it does not collect is left
     out: the caller reports it)."""
     files = sorted({f"tests/{path}" for cells in rows for path, _ in _CITED.findall(cells[-1])})
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, "-c", _COLLECT, *files],
         cwd=ROOT,

@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, child_env
 from torchrl_ext import _doctor, _platform
 from torchrl_ext.__main__ import main
 from torchrl_ext._doctor import Check
@@ -42,8 +42,7 @@ def _doctor_cmd(
     *args: str, env_vars: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python -m torchrl_ext doctor ARGS`` in a child interpreter."""
-    env = dict(os.environ, **(env_vars or {}))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env = child_env(**(env_vars or {}))
     cmd = [*prefix, sys.executable, "-m", "torchrl_ext", "doctor", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
 
@@ -340,8 +339,7 @@ print("then imported:", torchrl_ext.__name__)
 
 @pytest.mark.compat
 def test_non_posix_import_raises_a_clear_import_error() -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, "-c", _NON_POSIX_CHILD],
         cwd=ROOT,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import itertools
-import os
 import subprocess
 import sys
 import zlib
@@ -15,6 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
+from tests.conftest import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -57,8 +58,7 @@ def _which(episode: torch.Tensor, reference: list[torch.Tensor]) -> int:
 
 
 def test_demo_quick_runs_and_leaks_nothing() -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "heavy_reset.py"), "--quick"],
         cwd=ROOT,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, START_METHODS
+from tests.conftest import START_METHODS, child_env
 from tests.contract.envs import make_thread_checking_env
 from tests.contract.helpers import HAS_DAEMON, Record, Variant, assert_same_as_upstream, closing, run_variants
 
@@ -30,7 +30,7 @@ SCRIPT = Path(__file__).with_name("argv_script.py")
 
 
 def _run_script(impl: str, out: Path, cwd: Path, start_path: str) -> str:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = child_env()
     result = subprocess.run(
         [sys.executable, str(SCRIPT), impl, str(out), start_path],
         cwd=cwd,
