@@ -44,6 +44,7 @@ from ._restart import (
     RestartRecord,
     add_restart_keys,
     clear_marks,
+    clear_root_marks,
     copy_unstarted,
     mark_transition,
     recording_starts,
@@ -146,6 +147,10 @@ class _ManagedState:
         #: Done entries only restarts write, and the slots whose "next" holds a mark.
         self.mark_keys: list[str] = []
         self.marked: set[int] = set()
+        #: Per slot, the observation its replacement's first reset gave, until the slot's marked
+        #: transition is written: TorchRL's partial reset of other slots copies a slot's last
+        #: "next" over its root, so the root cannot be trusted to still hold it.
+        self.fresh_obs: dict[int, Any] = {}
         #: Indexed views of this env (weak references; see ``_envs_of_slot``).
         self.views: list[weakref.ref[Any]] = []
 
@@ -732,6 +737,8 @@ class ManagedParallelEnv(ParallelEnv):
         channel.send(("reset", (False, {})))
         limit = state.step_timeout if state.step_timeout is not None else self.BATCHED_PIPE_TIMEOUT
         self._await(supervisor, slot, lambda: self._slot_answered(slot), limit)
+        owner = self._owner()
+        state.fresh_obs[slot] = owner.shared_tensordicts[slot].select(*owner._env_obs_keys).clone()
 
     def _owner(self) -> Any:
         """The env that owns the workers: ``self``, or the parent of an indexed view."""
@@ -817,7 +824,8 @@ class ManagedParallelEnv(ParallelEnv):
         state: _ManagedState = self.__dict__["_trx"]
         owner = self._owner()
         slot_td = owner.shared_tensordicts[slot]
-        mark_transition(slot_td, owner._env_obs_keys, owner.reward_keys, owner.done_keys)
+        fresh = state.fresh_obs.pop(slot, None)
+        mark_transition(slot_td, owner._env_obs_keys, owner.reward_keys, owner.done_keys, fresh)
         state.marked.add(slot)
         self._slot_done(slot)
 
@@ -927,7 +935,15 @@ class ManagedParallelEnv(ParallelEnv):
 
     def _reset(self, tensordict: Any, **kwargs: Any) -> Any:
         with self._supervised():
-            return super()._reset(tensordict, **kwargs)
+            out = super()._reset(tensordict, **kwargs)
+        keys = self.__dict__["_trx"].mark_keys
+        if keys:  # only restarts write these, and only in "next"
+            parent = self._owner().__dict__.get("shared_tensordict_parent")
+            if parent is not None:
+                clear_root_marks(parent, keys)
+            if out is not None:
+                clear_root_marks(out, keys)
+        return out
 
     # The two per-step calls skip the context manager (a generator per step).
     def _step(self, tensordict: Any) -> Any:

@@ -198,19 +198,37 @@ def _unlocked(spec: Any) -> Iterator[None]:
 
 
 def mark_transition(
-    slot_td: Any, obs_keys: Sequence[Any], reward_keys: Sequence[Any], done_keys: Sequence[Any]
+    slot_td: Any,
+    obs_keys: Sequence[Any],
+    reward_keys: Sequence[Any],
+    done_keys: Sequence[Any],
+    fresh: Any = None,
 ) -> None:
     """Write a restarted slot's transition into its shared buffer ``slot_td``: the next
-    observation is the fresh env's reset observation (already at the root), rewards are 0,
-    ``done``/``truncated``/``worker_restarted`` are True and every other done entry False."""
+    observation is the fresh env's reset observation (``fresh``, as recorded when it answered,
+    written to the root too; else the root's), rewards are 0, ``done``/``truncated``/``worker_restarted`` are True and
+    every other done entry False."""
     nxt = slot_td.get("next")
+    source = slot_td if fresh is None else fresh
     for key in obs_keys:
-        nxt.get(key).copy_(slot_td.get(key))
+        nxt.get(key).copy_(source.get(key))
+        if fresh is not None:  # the root is the new env's too (step_and_maybe_reset reads it)
+            slot_td.get(key).copy_(fresh.get(key))
     for key in reward_keys:
         nxt.get(key).zero_()
     for key in done_keys:
         last = key if isinstance(key, str) else key[-1]
         nxt.get(key).fill_(last in _TRUE_ON_MARK)
+
+
+def clear_root_marks(td: Any, keys: Sequence[str]) -> None:
+    """Set the root entries of ``keys`` in ``td`` to False: no env writes them on reset, and a
+    partial reset copies whatever the caller's tensordict held (a marked step's next root) into
+    the shared buffer. Marks live in ``"next"`` only."""
+    for key in keys:
+        value = td.get(key, None)
+        if value is not None:
+            value.zero_()
 
 
 def clear_marks(slot_td: Any, keys: Sequence[str]) -> None:
