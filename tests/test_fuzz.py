@@ -65,7 +65,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import ParallelEnv
 from torchrl.envs.utils import step_mdp
 
-from tests.conftest import leftovers, pid_alive
+from tests.conftest import leftovers, pid_alive, start_kwargs
 from tests.contract.helpers import HAS_VIEWS, Raised, assert_same, snapshot
 from tests.fuzz_envs import fresh_reset_observation, make_fuzz_env
 from tests.polling import wait_until
@@ -821,7 +821,7 @@ def test_kills_with_restarts_mark_or_replay_and_leave_others_untouched() -> None
 @pytest.mark.compat
 def test_kills_with_restarts_on_the_preloaded_path() -> None:
     """The default start (forks of the preloaded server; upstream's reference runs on fork)."""
-    run_examples("restart", 1, {}, offset=1000)
+    run_examples("restart", 1, start_kwargs("preloaded"), offset=1000)
 
 
 # --------------------------------------------------------------------------- bugs found
