@@ -111,6 +111,8 @@ def test_worker_killed_mid_step_is_replaced_and_its_transition_marked(
             pid_dir=str(tmp_path),
             step_sleep=0.05,
         ),
+        # Worker 1 SIGKILLs itself inside its first step: the death is mid-step whatever the load.
+        create_env_kwargs=[{}, {"die_once_at_step": 1, "die_flag": str(tmp_path / "die")}],
         daemon_workers=False,
         max_restarts=2,
         **start_kwargs(method),
@@ -122,7 +124,6 @@ def test_worker_killed_mid_step_is_replaced_and_its_transition_marked(
         victim = env.worker_pids[1]
         victim_children = _children_of(tmp_path, victim)
         assert len(victim_children) == 3  # 2 DataLoader workers, 1 simulator
-        _kill_when(tmp_path, "stepping", victim)
         out = env.step(env.rand_action(td))  # returns normally
         nxt = out["next"]
         _assert_marked(nxt, 1)
