@@ -206,8 +206,8 @@ def mark_transition(
 ) -> None:
     """Write a restarted slot's transition into its shared buffer ``slot_td``: the next
     observation is the fresh env's reset observation (``fresh``, as recorded when it answered,
-    written to the root too; else the root's), rewards are 0, ``done``/``truncated``/``worker_restarted`` are True and
-    every other done entry False."""
+    written to the root too; else the root's), rewards are 0,
+    ``done``/``truncated``/``worker_restarted`` are True and every other done entry False."""
     nxt = slot_td.get("next")
     source = slot_td if fresh is None else fresh
     for key in obs_keys:
