@@ -57,7 +57,9 @@ class ToyEnv(EnvBase):
         offset: bool = False,
         reset_sleep: float = 0.0,
         die_once_at_step: int | None = None,
+        die_once_at_reset: int | None = None,
         die_flag: str | None = None,
+        step_gate: str | None = None,
         die_in_init_if: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -83,7 +85,13 @@ class ToyEnv(EnvBase):
         self.reset_sleep = reset_sleep
         #: SIGKILL this worker at its ``die_once_at_step``-th step, once per ``die_flag`` file.
         self.die_once_at_step = die_once_at_step
+        #: The same at its ``die_once_at_reset``-th reset (in a worker).
+        self.die_once_at_reset = die_once_at_reset
+        self._resets = 0
         self.die_flag = die_flag
+        #: In a worker, each step records "stepping" (with ``pid_dir``) and then waits until the
+        #: file ``step_gate`` exists: the test decides when the step may end.
+        self.step_gate = step_gate
         self._steps = 0
         self._iter: Any = None
         self._loader: Any = None
@@ -178,6 +186,12 @@ class ToyEnv(EnvBase):
     def _reset(self, tensordict: TensorDict | None = None, **kwargs: Any) -> TensorDict:
         if self.raise_in == "reset":
             raise KeyError("boom in reset")
+        self._resets += 1
+        due = self.die_flag and self._resets == self.die_once_at_reset and self._in_worker()
+        if due and _claim(str(self.die_flag)):  # once per flag: not again in the replacement
+            if self.pid_dir:
+                self._record("resetting", os.getpid())
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.reset_sleep and self._in_worker():
             if self.pid_dir:
                 self._record("resetting", os.getpid())
@@ -209,6 +223,11 @@ class ToyEnv(EnvBase):
             if self.pid_dir:
                 self._record("stepping", os.getpid())
             time.sleep(self.step_sleep)
+        if self.step_gate and self._in_worker():
+            if self.pid_dir:
+                self._record("stepping", os.getpid())
+            while not os.path.exists(self.step_gate):
+                time.sleep(0.005)
         self._t += 1
         done = torch.tensor([self._t >= 5])
         return TensorDict(

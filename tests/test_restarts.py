@@ -178,9 +178,12 @@ def test_worker_lost_between_calls_marks_the_next_step(method: str) -> None:
 
 @pytest.mark.parametrize("method", ALL_STARTS)
 def test_reset_in_flight_is_replayed_on_the_replacement(method: str, tmp_path: Path) -> None:
+    # Worker 0 SIGKILLs itself inside its first reset (once: not the replacement).
+    die = {"die_once_at_reset": 1, "die_flag": str(tmp_path / "die"), "pid_dir": str(tmp_path)}
     env = ManagedParallelEnv(
         2,
-        functools.partial(make_env, pid_dir=str(tmp_path), reset_sleep=0.05),
+        make_env,
+        create_env_kwargs=[die, {}],
         daemon_workers=False,
         max_restarts=1,
         **start_kwargs(method),
@@ -188,8 +191,8 @@ def test_reset_in_flight_is_replayed_on_the_replacement(method: str, tmp_path: P
     try:
         env.start()
         victim = env.worker_pids[0]
-        _kill_when(tmp_path, "resetting", victim)
         td = env.reset()  # returns normally: the replacement ran the same reset
+        assert list(tmp_path.glob(f"resetting-{victim}-*")), "the worker died inside its reset"
         assert torch.equal(td["observation"], torch.stack([FIRST_OBS, FIRST_OBS]))
         assert not td["worker_restarted"].any() and not td["done"].any()
         (record,) = env.restarts
@@ -616,14 +619,30 @@ def test_worker_that_answered_then_died_is_marked_and_later_steps_are_in_step(
 ) -> None:
     """Worker 0 answers its step and is killed while worker 1 is still stepping: its done flag
     was set by the dead worker, and must not make the next waits return early."""
-    kwargs = [{}, {"step_sleep": 0.3, "pid_dir": str(tmp_path)}]
+    gate = tmp_path / "gate"
+    kwargs = [{}, {"step_gate": str(gate), "pid_dir": str(tmp_path)}]
     env = ManagedParallelEnv(
         2, make_env, create_env_kwargs=kwargs, daemon_workers=False, max_restarts=1, **start_kwargs(method)
     )
     try:
         td = env.reset()
-        _kill_when(tmp_path, "stepping", env.worker_pids[1], victim=env.worker_pids[0])
+        first, second = env.worker_pids
+
+        def answered(slot: int) -> bool:
+            flags = env.__dict__.get("_shm_done_flags")  # TorchRL >= 0.11; events before
+            return bool(flags[slot]) if flags is not None else env._events[slot].is_set()
+
+        def kill_first_while_second_steps() -> None:
+            wait_until(lambda: any(tmp_path.glob(f"stepping-{second}-*")), "worker 1 is stepping")
+            wait_until(lambda: answered(0), "worker 0 answered its step")
+            os.kill(first, signal.SIGKILL)
+            wait_until(lambda: not pid_alive(first), "worker 0 is dead")
+            gate.touch()  # only now may worker 1 answer
+
+        killer = threading.Thread(target=kill_first_while_second_steps, daemon=True)
+        killer.start()
         out, td = env.step_and_maybe_reset(env.rand_action(td))
+        killer.join()
         _assert_marked(out["next"], 0)
         assert torch.equal(td["observation"][0], FIRST_OBS)
         for t in range(1, 4):
