@@ -14,16 +14,14 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
-import psutil
 from torchrl.envs import EnvBase, ParallelEnv
 
-from . import _forkserver, _lifecycle, _reaper_client
+from . import _forkserver, _identity, _lifecycle, _platform, _reaper_client
 from ._compat import (
     HAS_DAEMON_KWARG,
     HAS_SHUTDOWN_TIMEOUT_KWARG,
@@ -470,9 +468,8 @@ class ManagedParallelEnv(ParallelEnv):
             if server is not None:  # the reaper kills it too if this process dies
                 _reaper_client.notify_watch(fifo, server[0], server[1], server[0])
         start_method = "forkserver" if context is not None else _start_method(self._mp_start_method)
-        arm_pdeathsig = start_method == "forkserver" or threading.current_thread() is threading.main_thread()
-        me = psutil.Process()
-        owner_ctime = me.create_time()
+        arm_pdeathsig = _platform.parent_death_outlives_worker(start_method)
+        _pid, owner_ctime = _identity.me()
         # Our config travels next to each worker's kwargs, not around its factory: see _compat.
         user_kwargs: list[Any] = self.create_env_kwargs
         self.create_env_kwargs = [
@@ -690,12 +687,7 @@ class ManagedParallelEnv(ParallelEnv):
         kwargs.update(parent_pipe=parent_pipe, child_pipe=child_pipe, mp_event=event)
         env_kwargs = kwargs.get("env_fun_kwargs")
         if isinstance(env_kwargs, ConfiguredKwargs):
-            # The parent-death signal follows the forking thread: arm it only where that thread
-            # outlives the worker (the fork server's, or the main thread).
-            arm = (
-                getattr(template, "_start_method", None) == "forkserver"
-                or threading.current_thread() is threading.main_thread()
-            )
+            arm = _platform.parent_death_outlives_worker(getattr(template, "_start_method", None))
             kwargs["env_fun_kwargs"] = ConfiguredKwargs(
                 dict(env_kwargs), dataclasses.replace(env_kwargs.trx_config, arm_pdeathsig=arm)
             )

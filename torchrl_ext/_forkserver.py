@@ -245,12 +245,12 @@ class _Server(multiprocessing.forkserver.ForkServer):
             for k, v in multiprocessing.spawn.get_preparation_data("ignore").items()
             if k not in ("name", "authkey")
         }
-        me = psutil.Process()
-        tag = Tag(me.pid, me.create_time(), f"{me.pid}.{TAG_SUFFIX}")
+        owner_pid, owner_ctime = _identity.me()
+        tag = Tag(owner_pid, owner_ctime, f"{owner_pid}.{TAG_SUFFIX}")
         env = dict(os.environ)
         env[_identity.OWNER_VAR] = str(tag)
         env[_identity.WORKER_VAR] = TAG_SUFFIX
-        arm = threading.current_thread() is threading.main_thread()
+        arm = _platform.parent_death_outlives_worker(None)  # the server is this thread's child
         with socket.socket(socket.AF_UNIX) as listener:
             address = multiprocessing.connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
             listener.bind(address)
@@ -260,7 +260,7 @@ class _Server(multiprocessing.forkserver.ForkServer):
             alive_r, alive_w = os.pipe()
             status_r, status_w = os.pipe()
             setup_r, setup_w = os.pipe()
-            args = (listener.fileno(), alive_r, status_w, setup_r, me.pid, arm)
+            args = (listener.fileno(), alive_r, status_w, setup_r, owner_pid, arm)
             code = f"from torchrl_ext._forkserver import serve; serve(*{args!r})"
             exe = multiprocessing.spawn.get_executable()
             try:

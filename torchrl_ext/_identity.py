@@ -40,6 +40,7 @@ __all__ = [
     "descendants",
     "key_of",
     "kill_and_reap",
+    "me",
     "parse_tag",
     "read_tag",
     "reap_if_child",
@@ -72,6 +73,23 @@ LATE_REAP_POLL = 0.1
 ProcessKey = tuple[int, float]
 #: A recorded worker: pid -> (create time, process group id).
 Workers = Mapping[int, tuple[float, int]]
+
+
+_me: tuple[int, ProcessKey] | None = None
+
+
+def me() -> ProcessKey:
+    """``(pid, create_time)`` of the calling process (read once per process, forks included).
+
+    Example:
+        >>> me()[0] == os.getpid()
+        True
+    """
+    global _me
+    pid = os.getpid()
+    if _me is None or _me[0] != pid:
+        _me = (pid, (pid, psutil.Process(pid).create_time()))
+    return _me[1]
 
 
 def key_of(proc: psutil.Process) -> ProcessKey | None:

@@ -30,7 +30,7 @@ import torch
 from torchrl.envs import EnvBase
 from torchrl.envs.env_creator import EnvCreator
 
-from . import _identity, _reaper_client
+from . import _identity, _platform, _reaper_client
 from ._compat import get_env_metadata_patch
 from ._tag import Tag, tagged_spawns
 from ._wire import exception_report, rebuild_exception
@@ -71,15 +71,15 @@ def _compute(read: Callable[..., Any], context: _Context, fn: Any, kwargs: Any =
     # A start method's name, or the preloaded server's context (see _forkserver).
     ctx: Any = multiprocessing.get_context(start) if isinstance(start, str) else start
     start_method = ctx.get_start_method()
-    me = psutil.Process()
+    owner_pid, owner_ctime = _identity.me()
     fifo = _reaper_client.acquire()
     config = WorkerConfig(
         index=-1,
         tag=str(tag),
         daemon_workers=False,
-        arm_pdeathsig=start_method == "forkserver" or threading.current_thread() is threading.main_thread(),
-        owner_pid=me.pid,
-        owner_create_time=me.create_time(),
+        arm_pdeathsig=_platform.parent_death_outlives_worker(start_method),
+        owner_pid=owner_pid,
+        owner_create_time=owner_ctime,
         report_path="",
         reaper_fifo=fifo,
         child_start_method=child_start_method,

@@ -20,6 +20,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -137,6 +138,20 @@ def set_parent_death_signal(sig: int) -> bool:
     the setting is not retroactive.
     """
     return _prctl(_PR_SET_PDEATHSIG, int(sig))
+
+
+def parent_death_outlives_worker(start_method: str | None) -> bool:
+    """Whether a worker started now by this thread may arm the parent-death signal.
+
+    The signal follows the thread that forked the worker, not its process: arm it only where
+    that thread outlives the worker, that is, under a fork server (its own main thread forks)
+    or when the caller is the main thread. The one copy of that rule.
+
+    Example:
+        >>> parent_death_outlives_worker("forkserver")
+        True
+    """
+    return start_method == "forkserver" or threading.current_thread() is threading.main_thread()
 
 
 def set_child_subreaper(enabled: bool = True) -> bool:

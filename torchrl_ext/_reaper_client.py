@@ -169,9 +169,19 @@ def send(message: dict[str, object]) -> None:
             _handle.send(message)
 
 
+def watch_message(pid: int, ctime: float, pgid: int) -> dict[str, object]:
+    """The reaper's "watch" message: kill ``pid`` (and group ``pgid``) if the owner dies."""
+    return {"op": "watch", "pid": pid, "ctime": ctime, "pgid": pgid}
+
+
+def watch(pid: int, ctime: float, pgid: int) -> None:
+    """Report a process of this env to this process's reaper (a no-op without one)."""
+    send(watch_message(pid, ctime, pgid))
+
+
 def notify_watch(fifo: str, pid: int, ctime: float, pgid: int) -> None:
-    """Called inside a worker: report itself to the reaper. Never raises."""
-    data = (json.dumps({"op": "watch", "pid": pid, "ctime": ctime, "pgid": pgid}) + "\n").encode()
+    """Report a process to the reaper listening on ``fifo`` (from any process). Never raises."""
+    data = (json.dumps(watch_message(pid, ctime, pgid)) + "\n").encode()
     try:
         fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
     except OSError:

@@ -232,7 +232,7 @@ class WorkerSupervisor:
             ctime = psutil.Process(process.pid).create_time()
         except psutil.Error:
             ctime = time.time()
-        _reaper_client.send({"op": "watch", "pid": process.pid, "ctime": ctime, "pgid": process.pid})
+        _reaper_client.watch(process.pid, ctime, process.pid)
         worker = _Worker(index, process, process.pid, ctime, recorder)
         recorder.on_eof = functools.partial(self._loss_of, worker)
         return worker

@@ -83,8 +83,8 @@ class Tag:
 
 def new_env_tag() -> Tag:
     """A fresh tag for one env owned by the calling process."""
-    me = psutil.Process(os.getpid())
-    return Tag(me.pid, me.create_time(), f"{os.getpid()}.{next(_env_counter)}")
+    pid, ctime = _identity.me()
+    return Tag(pid, ctime, f"{pid}.{next(_env_counter)}")
 
 
 def read_tag(proc: psutil.Process) -> tuple[Tag | None, str | None]:
@@ -128,7 +128,7 @@ def _tagging_spawnv(previous: Callable[..., int]) -> Callable[..., int]:
                 ctime = psutil.Process(pid).create_time()
             except psutil.Error:  # already gone: nothing to watch
                 return pid
-            _reaper_client.send({"op": "watch", "pid": pid, "ctime": ctime, "pgid": pid})
+            _reaper_client.watch(pid, ctime, pid)
         return pid
 
     spawnv_passfds.__wrapped__ = previous  # type: ignore[attr-defined]
