@@ -1,6 +1,17 @@
-"""Everything we rely on inside TorchRL, in one place: feature checks and scoped patches.
+"""Everything we rely on inside TorchRL, in one place: the typed adapter, feature checks, patches.
 
-Feature detection, not version strings: torchrl 0.10.1 wheels report ``0.0.0+unknown``.
+Feature detection, not version strings where a probe exists: torchrl 0.10.1 wheels report
+``0.0.0+unknown`` as ``torchrl.__version__``; :func:`torchrl_release` reads the module first, then
+the installed distribution's metadata (``torchrl`` or ``torchrl-nightly``).
+
+**The adapter.** Every private TorchRL name this package uses is declared once here, with what it
+is for, and read or written only through what declares it: :class:`Upstream` (a batched env's
+private attributes, through its instance ``__dict__``: ``ParallelEnv.__getattr__`` forwards an
+unknown name to the workers, and restarts closed ones), the module-level names
+(:func:`_module_name`), the worker function's keyword arguments (:data:`WORKER_KWARGS`), the
+worker loop's commands (:data:`COMMANDS`) and the methods we override (:data:`HOOKS`). The
+declarations make :data:`INVENTORY`, which ``tests/test_compat.py`` checks on the installed
+release (:func:`missing_names`): a rename upstream fails there, naming what it was for.
 
 Patches follow one rule (:class:`ScopedPatch`): a module attribute is replaced only while a
 managed env needs it, the replacement falls through to whatever was there before for anything
@@ -20,30 +31,242 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
 import inspect
+import re
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar, overload
 
+import torchrl
 from torchrl.envs import ParallelEnv, batched_envs
 
 from . import _worker
+from ._patch import ScopedPatch
 from ._worker import WorkerConfig
 
 __all__ = [
+    "COMMANDS",
     "HAS_DAEMON_KWARG",
     "HAS_SHUTDOWN_TIMEOUT_KWARG",
-    "PRIVATE_ENV_ATTRIBUTES",
-    "PRIVATE_MODULE_NAMES",
+    "HOOKS",
+    "INVENTORY",
+    "NO_PIPE_ANSWER",
+    "PER_START_KWARGS",
     "UPSTREAM_DEFAULTS",
+    "WORKER_KWARGS",
     "ConfiguredKwargs",
+    "Private",
     "ScopedPatch",
     "SupervisedWorkers",
+    "Upstream",
+    "default_start_method",
     "install_fault_check",
     "is_worker_entry",
     "managed_worker_targets",
+    "torchrl_release",
     "worker_context",
 ]
+
+Release = tuple[int, int]
+
+
+def torchrl_release() -> Release:
+    """``(major, minor)`` of the installed TorchRL: its ``__version__``, else the metadata of the
+    ``torchrl`` or ``torchrl-nightly`` distribution (a nightly's date sorts after every release).
+
+    Example:
+        >>> torchrl_release() >= (0, 10)
+        True
+    """
+    versions = [str(getattr(torchrl, "__version__", ""))]
+    for dist in ("torchrl", "torchrl-nightly"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions.append(importlib.metadata.version(dist))
+    for version in versions:
+        found = re.match(r"(\d+)\.(\d+)", version)
+        if found is not None and found.groups() != ("0", "0"):
+            return int(found.group(1)), int(found.group(2))
+    return (0, 0)
+
+
+# --------------------------------------------------------------------------- the inventory
+Kind = Literal["module", "env", "view", "class", "hook", "worker_kwarg", "command"]
+
+
+@dataclass(frozen=True)
+class Private:
+    """One TorchRL name we rely on: where it lives, what for, and from which release on it
+    must exist (``since``; ``None``: every supported release). Rows of :data:`INVENTORY`."""
+
+    kind: Kind
+    name: str
+    purpose: str
+    since: Release | None = None
+
+    def __str__(self) -> str:
+        since = "" if self.since is None else f" (>={self.since[0]}.{self.since[1]})"
+        return f"{self.kind} {self.name}{since}: {self.purpose}"
+
+
+#: Every private TorchRL name this package uses (filled by the declarations below).
+INVENTORY: list[Private] = []
+
+
+def _declare(kind: Kind, name: str, purpose: str, since: Release | None = None) -> str:
+    INVENTORY.append(Private(kind, name, purpose, since))
+    return name
+
+
+def _module_name(name: str, purpose: str, since: Release | None = None) -> str:
+    """Declare ``torchrl.envs.batched_envs.<name>`` (or ``torchrl.<module>.<name>``)."""
+    return _declare("module", name, purpose, since)
+
+
+T = TypeVar("T")
+
+
+class _Attr(Generic[T]):
+    """A private attribute of a batched env, declared in the inventory, read and written through
+    the instance ``__dict__`` (``None`` when absent): never through ``ParallelEnv.__getattr__``."""
+
+    def __init__(self, name: str, purpose: str, since: Release | None = None, kind: Kind = "env") -> None:
+        self.name = _declare(kind, name, purpose, since)
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _Attr[T]: ...
+    @overload
+    def __get__(self, obj: Upstream, owner: type) -> T: ...
+    def __get__(self, obj: Upstream | None, owner: type) -> T | _Attr[T]:
+        if obj is None:
+            return self
+        return obj.env.__dict__.get(self.name)
+
+    def __set__(self, obj: Upstream, value: T) -> None:
+        obj.env.__dict__[self.name] = value
+
+    def drop(self, obj: Upstream) -> None:
+        obj.env.__dict__.pop(self.name, None)
+
+
+#: Worker kwargs (TorchRL's names) made anew for each replacement: its pipes and event.
+PER_START_KWARGS = tuple(
+    _declare("worker_kwarg", name, "made anew for each replacement worker")
+    for name in ("parent_pipe", "child_pipe", "mp_event")
+)
+#: Worker kwargs our worker entry reads or wraps, by role.
+WORKER_KWARGS = {
+    "env_kwargs": _declare("worker_kwarg", "env_fun_kwargs", "the factory's kwargs; carries our config"),
+    "child_pipe": PER_START_KWARGS[1],
+    "done_flags": _declare("worker_kwarg", "shm_done_flags", "wrapped to wake the sleeping parent", (0, 11)),
+}
+
+#: Commands TorchRL's worker loop answers through the shared buffers and done flags only (with
+#: restarts, specs are tensor-only: no non-tensor answer on the pipe either).
+NO_PIPE_ANSWER = frozenset(
+    _declare("command", name, "answered by the done flag or event only")
+    for name in ("init", "reset", "step", "step_and_maybe_reset", "close", "load_state_dict")
+)
+#: Every command of TorchRL's worker loop; anything else sent is a call forwarded to the env.
+COMMANDS = NO_PIPE_ANSWER | {
+    _declare("command", name, "answered on the pipe") for name in ("seed", "state_dict", "set_env_snapshot")
+}
+
+#: ``ParallelEnv`` methods ``ManagedParallelEnv`` overrides (TorchRL must still call them).
+HOOKS = {
+    name: _declare("hook", name, purpose, since)
+    for name, purpose, since in (
+        ("_start_workers", "supervision starts here", None),
+        ("_shutdown_workers", "the bounded close", None),
+        ("_set_properties", "restarts add their done entries", None),
+        ("_reset", "failures and marks around a reset", None),
+        ("_step", "failures around a step", None),
+        ("_wait_for_workers", "sleep instead of spinning; restarts and hangs", (0, 11)),
+        ("_make_batched_view", "restarts reach a view's worker lists", (0, 14)),
+        ("_cleanup_failed_worker_startup", "our start-up abort does it", (0, 14)),
+    )
+}
+
+
+_PIPE_TIMEOUT = _module_name("_utils.BATCHED_PIPE_TIMEOUT", "TorchRL's wait bound before a start sets it")
+
+
+class Upstream:
+    """Typed access to one TorchRL batched env's private state: the one place that names it.
+
+    Cheap to make (one slot); make one where needed rather than keeping it (no reference cycle).
+
+    Example:
+        >>> Upstream.done_flags.name
+        '_shm_done_flags'
+    """
+
+    __slots__ = ("env",)
+
+    create_env_kwargs: _Attr[list[Any]] = _Attr("create_env_kwargs", "per-worker kwargs; carry our config")
+    workers: _Attr[Any] = _Attr("_workers", "the worker processes; become our SupervisedWorkers list")
+    channels: _Attr[list[Any]] = _Attr("parent_channels", "the command pipes; wrapped by the supervisor")
+    mp_start_method: _Attr[str | None] = _Attr("_mp_start_method", "the start method asked for")
+    use_buffers: _Attr[bool] = _Attr("_use_buffers", "shared-buffer mode (restarts and our wait need it)")
+    non_tensor_keys: _Attr[list[Any]] = _Attr("_non_tensor_keys", "restarts refuse non-tensor specs")
+    events: _Attr[list[Any] | None] = _Attr("_events", "per-worker done events (TorchRL 0.10)")
+    cuda_events: _Attr[Any] = _Attr("_cuda_events", "cleared on close")
+    event: _Attr[Any] = _Attr("event", "the env's own event; cleared on close")
+    done_flags: _Attr[Any] = _Attr("_shm_done_flags", "the shared done flags our wait reads", (0, 11))
+    slot_buffers: _Attr[list[Any]] = _Attr("shared_tensordicts", "each slot's shared buffer (marks)")
+    parent_buffer: _Attr[Any] = _Attr("shared_tensordict_parent", "the stacked buffer (root marks)")
+    obs_keys: _Attr[list[Any]] = _Attr("_env_obs_keys", "observation keys a mark copies")
+    buffer_template: _Attr[Any] = _Attr("_env_tensordict", "shared-buffer template; gains restart keys")
+    is_closed: _Attr[bool] = _Attr("is_closed", "whether the workers are gone")
+    parent_env: _Attr[Any] = _Attr("_parent_env", "the owner of an indexed view", (0, 14), kind="view")
+    worker_indices: _Attr[Sequence[int] | None] = _Attr(
+        "_worker_indices", "the owner's worker slots of a view", (0, 14), kind="view"
+    )
+    owns_workers_flag: _Attr[bool | None] = _Attr(
+        "_owns_workers", "False for a view, which must not close workers", (0, 14), kind="view"
+    )
+    batched_pipe_timeout: _Attr[float | None] = _Attr("BATCHED_PIPE_TIMEOUT", "TorchRL's wait bound, kept by ours")
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+
+    @property
+    def owner(self) -> Upstream:
+        """The env that owns the workers: this one, or the parent of an indexed view."""
+        parent = self.parent_env
+        return self if parent is None else Upstream(parent)
+
+    @property
+    def owns_workers(self) -> bool:
+        return self.owns_workers_flag is not False
+
+    @property
+    def pipe_timeout(self) -> float:
+        value = self.batched_pipe_timeout  # set by TorchRL's start from torchrl._utils
+        if value is None:
+            module, _, name = _PIPE_TIMEOUT.rpartition(".")
+            value = getattr(importlib.import_module(f"torchrl.{module}"), name)
+        return float(value)
+
+    def slots(self, positions: Any) -> list[int]:
+        """The owner's worker slots behind ``positions`` of this env (a view's are a subset)."""
+        indices = self.worker_indices
+        return list(positions) if indices is None else [indices[i] for i in positions]
+
+    def position_of(self, slot: int) -> int | None:
+        """Where the owner's worker ``slot`` sits in this env's lists (``None``: not there)."""
+        indices = self.worker_indices
+        if indices is None:
+            return slot
+        indices = list(indices)
+        return indices.index(slot) if slot in indices else None
+
+    def drop_buffers(self) -> None:
+        """Forget the shared buffers (a later start makes new ones)."""
+        for attr in (Upstream.slot_buffers, Upstream.parent_buffer):
+            attr.drop(self)
+
 
 _init_params = inspect.signature(ParallelEnv.__init__).parameters
 #: TorchRL >= 0.11: workers' daemon flag is configurable (``daemon=``).
@@ -73,80 +296,24 @@ UPSTREAM_DEFAULTS: dict[str, Any] = {
     ),
 }
 
-#: Every private TorchRL name this package relies on, and what for; ``tests/test_compat.py``
-#: checks each on the installed release, so a TorchRL change fails there with this text.
-#: Names marked ``>=0.11`` / ``>=0.14`` are optional on older releases (we fall back).
-PRIVATE_MODULE_NAMES: dict[str, str] = {
-    "batched_envs._run_worker_pipe_shared_mem": "worker function; replaced while our workers start",
-    "batched_envs._run_worker_pipe_direct": "worker function (use_buffers=False); replaced likewise",
-    "batched_envs._check_for_faulty_process": "fault check; ours for our worker lists",
-    "batched_envs.get_env_metadata": "spec reader; run in a helper process (metadata_in_subprocess)",
-    "batched_envs.gc": "the worker loop's gc.collect() before exit, skipped after a close",
-    "_utils._get_default_mp_start_method (>=0.11)": "start method ParallelEnv uses when none given",
-    "batched_envs.mp": "torch.multiprocessing as TorchRL uses it; get_context routed to the preloaded server",
-}
-#: Attributes of a started ``ParallelEnv`` (instance or class) that ``ManagedParallelEnv`` uses.
-PRIVATE_ENV_ATTRIBUTES: dict[str, str] = {
-    "create_env_kwargs": "per-worker kwargs, passed as env_fun_kwargs; carries our config",
-    "_workers": "the worker processes; becomes our SupervisedWorkers list",
-    "parent_channels": "the command pipes; wrapped to remember the last command",
-    "_mp_start_method": "the start method asked for",
-    "_use_buffers": "shared-buffer mode (our done signal needs it)",
-    "_events": "per-worker events; cleared on close",
-    "BATCHED_PIPE_TIMEOUT": "TorchRL's wait bound, kept by our wait",
-    "_start_workers": "overridden: supervision starts here",
-    "_shutdown_workers": "overridden: the bounded close",
-    "_wait_for_workers (>=0.11)": "overridden: sleep instead of spinning",
-    "_shm_done_flags (>=0.11)": "the shared done flags our wait reads",
-    "_owns_workers (>=0.14)": "False for an indexed view, which must not close workers",
-    "_worker_indices (>=0.14)": "the parent's worker indices of a view",
-    "_cleanup_failed_worker_startup (>=0.14)": "overridden: our start-up abort does it",
-}
+_SHARED_MEM_ENTRY = _module_name("_run_worker_pipe_shared_mem", "worker function; replaced while ours start")
+_DIRECT_ENTRY = _module_name("_run_worker_pipe_direct", "worker function (use_buffers=False); likewise")
+_FAULT_CHECK = _module_name("_check_for_faulty_process", "fault check; ours for our worker lists")
+METADATA_READER = _module_name("get_env_metadata", "spec reader; run in a helper process")
+GC_NAME = _module_name("gc", "the worker loop's gc.collect() before exit, skipped after a close")
+_MP_NAME = _module_name("mp", "torch.multiprocessing as TorchRL uses it; routed to the preloaded server")
+_DEFAULT_START = _module_name(
+    "_utils._get_default_mp_start_method", "start method ParallelEnv uses when none is given", (0, 11)
+)
 
 
-class ScopedPatch:
-    """Replace ``module.name`` while at least one scope is active; nest-safe and thread-safe.
-
-    ``make(previous)`` builds the replacement from the value that was current on entry.
-
-    Example:
-        >>> import types
-        >>> mod = types.SimpleNamespace(f=lambda: "theirs")
-        >>> patch = ScopedPatch(mod, "f", lambda previous: lambda: "ours, then " + previous())
-        >>> with patch.active():
-        ...     mod.f()
-        'ours, then theirs'
-        >>> mod.f()
-        'theirs'
-    """
-
-    def __init__(self, module: Any, name: str, make: Callable[[Any], Any]) -> None:
-        self._module = module
-        self._name = name
-        self._make = make
-        self._lock = threading.RLock()
-        self._depth = 0
-        self._previous: Any = None
-        self._installed: Any = None
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[Any]:
-        with self._lock:
-            if self._depth == 0:
-                self._previous = getattr(self._module, self._name)
-                self._installed = self._make(self._previous)
-                setattr(self._module, self._name, self._installed)
-            self._depth += 1
-            installed = self._installed
-        try:
-            yield installed
-        finally:
-            with self._lock:
-                self._depth -= 1
-                if self._depth == 0:
-                    if getattr(self._module, self._name) is self._installed:
-                        setattr(self._module, self._name, self._previous)
-                    self._previous = self._installed = None
+def default_start_method(requested: str | None = None) -> str:
+    """The start method ``ParallelEnv`` uses for ``mp_start_method=requested`` (the one copy)."""
+    if requested is not None:
+        return requested
+    module, _, name = _DEFAULT_START.rpartition(".")
+    getter = getattr(importlib.import_module(f"torchrl.{module}"), name, None)
+    return "spawn" if getter is None else str(getter())  # TorchRL 0.10: spawn when none is given
 
 
 # --------------------------------------------------------------------------- worker entries
@@ -167,7 +334,7 @@ class ConfiguredKwargs(dict[str, Any]):
 
 def _resolve_entry(name: str) -> Callable[..., Any]:
     """In a spawned or forkserver child: TorchRL's worker function as that process has it."""
-    entry = getattr(importlib.import_module("torchrl.envs.batched_envs"), name)
+    entry = getattr(importlib.import_module(batched_envs.__name__), name)
     found: Callable[..., Any] = entry._previous if isinstance(entry, _ManagedEntry) else entry
     return found
 
@@ -184,11 +351,12 @@ class _ManagedEntry:
         self._previous = previous
 
     def __call__(self, **kwargs: Any) -> None:
-        env_kwargs = kwargs.get("env_fun_kwargs")
+        key = WORKER_KWARGS["env_kwargs"]
+        env_kwargs = kwargs.get(key)
         if not isinstance(env_kwargs, ConfiguredKwargs):
             self._previous(**kwargs)
             return
-        kwargs["env_fun_kwargs"] = dict(env_kwargs)
+        kwargs[key] = dict(env_kwargs)
         config = env_kwargs.trx_config
         _worker.run_managed(self._previous, config, kwargs)
 
@@ -218,7 +386,7 @@ def _entry_patch(name: str) -> ScopedPatch:
     return ScopedPatch(batched_envs, name, make)
 
 
-_ENTRY_PATCHES = [_entry_patch(name) for name in ("_run_worker_pipe_shared_mem", "_run_worker_pipe_direct")]
+_ENTRY_PATCHES = [_entry_patch(name) for name in (_SHARED_MEM_ENTRY, _DIRECT_ENTRY)]
 
 
 @contextlib.contextmanager
@@ -250,7 +418,7 @@ class _ContextRouter:
         return getattr(self._previous, name)
 
 
-_MP_PATCH = ScopedPatch(batched_envs, "mp", _ContextRouter)
+_MP_PATCH = ScopedPatch(batched_envs, _MP_NAME, _ContextRouter)
 
 
 @contextlib.contextmanager
@@ -261,15 +429,16 @@ def worker_context(env: Any, context: Any) -> Iterator[None]:
     if context is None:
         yield
         return
-    previous = env.__dict__.get("_mp_start_method")
-    env.__dict__["_mp_start_method"] = context.get_start_method()
+    upstream = Upstream(env)
+    previous = upstream.mp_start_method
+    upstream.mp_start_method = context.get_start_method()
     _route.context = context
     try:
         with _MP_PATCH.active():
             yield
     finally:
         _route.context = None
-        env.__dict__["_mp_start_method"] = previous
+        upstream.mp_start_method = previous
 
 
 # --------------------------------------------------------------------------- fault check
@@ -312,12 +481,12 @@ def install_fault_check() -> None:
     on top at the next start, still delegating.
     """
     with _fault_check_lock:
-        current = batched_envs._check_for_faulty_process
+        current = getattr(batched_envs, _FAULT_CHECK)
         if not isinstance(current, _FaultCheck):
-            batched_envs._check_for_faulty_process = _FaultCheck(current)
+            setattr(batched_envs, _FAULT_CHECK, _FaultCheck(current))
 
 
 # --------------------------------------------------------------------------- spec reading
 def get_env_metadata_patch(make: Callable[[Any], Any]) -> ScopedPatch:
     """A scoped patch of the function ``ParallelEnv.__init__`` reads env specs with."""
-    return ScopedPatch(batched_envs, "get_env_metadata", make)
+    return ScopedPatch(batched_envs, METADATA_READER, make)

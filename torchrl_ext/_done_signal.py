@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["DEFAULT_SPIN", "DoneSignal", "NotifyingFlags", "has_spare_core", "timeout_error"]
+__all__ = ["DEFAULT_SPIN", "Answers", "DoneSignal", "NotifyingFlags", "has_spare_core", "timeout_error"]
 
 #: Longest sleep between checks of the deadline and of worker health.
 _SLICE = 0.5
@@ -278,3 +278,81 @@ class NotifyingFlags:
 
     def __len__(self) -> int:
         return len(self._flags)
+
+
+#: Longest pause between checks of a wait on TorchRL 0.10's events.
+_EVENT_SLICE = 0.02
+
+
+class Answers:
+    """ "Has slot i answered?": TorchRL >= 0.11's shared done flags, or 0.10's per-worker events.
+
+    The one view every wait of a managed env reads (the done signal's, the restart engine's,
+    the hang check's). ``flags`` is the shared array (``None`` on TorchRL 0.10).
+
+    Example:
+        >>> answers = Answers([0, 0], None)
+        >>> answers.set(1); answers.answered(1), answers.take(1), answers.answered(1)
+        (True, True, False)
+    """
+
+    __slots__ = ("events", "flags")
+
+    def __init__(self, flags: Any, events: Sequence[Any] | None) -> None:
+        self.flags = flags
+        self.events = events
+
+    def answered(self, slot: int) -> bool:
+        """Whether ``slot`` has answered (left as it is)."""
+        if self.flags is not None:
+            return bool(self.flags[slot])
+        return self.events is not None and bool(self.events[slot].is_set())
+
+    def take(self, slot: int) -> bool:
+        """Whether ``slot`` has answered; if so, the answer is consumed (cleared)."""
+        if not self.answered(slot):
+            return False
+        self.clear(slot)
+        return True
+
+    def set(self, slot: int) -> None:
+        """Answer for ``slot`` (a restart's marked transition)."""
+        if self.flags is not None:
+            self.flags[slot] = 1
+        elif self.events is not None:
+            self.events[slot].set()
+
+    def clear(self, slot: int) -> None:
+        """Forget an answer (a lost worker may have answered before it died)."""
+        if self.flags is not None:
+            self.flags[slot] = 0
+        elif self.events is not None:
+            self.events[slot].clear()
+
+    def wait_events(
+        self,
+        slots: Sequence[int],
+        deadline: float,
+        timeout: float,
+        check: Callable[[], None],
+        on_timeout: Callable[[], None],
+    ) -> None:
+        """TorchRL < 0.11: wait until every slot's event is set, then clear them. ``check`` runs
+        between sleeps and may raise; past ``deadline`` (monotonic), ``on_timeout`` runs, then
+        TorchRL's own timeout error (``timeout`` seconds) is raised."""
+        assert self.events is not None
+        events = self.events
+        pause = 1e-4
+        while True:
+            waiting = [slot for slot in slots if not events[slot].is_set()]
+            if not waiting:
+                for slot in slots:
+                    events[slot].clear()
+                return
+            check()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                on_timeout()
+                raise timeout_error(timeout)
+            events[waiting[0]].wait(min(pause, remaining))
+            pause = min(2 * pause, _EVENT_SLICE)

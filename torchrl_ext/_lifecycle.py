@@ -1,38 +1,7 @@
 """Process-wide lifecycle: the registry of open managed envs, the atexit hook, signal handlers.
 
-NOTE [shutdown order]
----------------------
-Every way a program ends funnels into ``ManagedParallelEnv.close()`` -> the supervisor's bounded
-shutdown, in this order:
-
-1. ``close()`` called by the user (or ``__del__``, or a ``with`` block).
-2. ``atexit``: our hook is registered after ``multiprocessing.util`` registered its own, and
-   atexit runs last-in-first-out, so open envs are closed *before* multiprocessing joins its
-   non-daemonic children (which would otherwise wait on our workers forever).
-3. SIGTERM / SIGINT / SIGHUP in the main thread: the handler closes every open env, restores the
-   previous handlers, then behaves as the previous handler would: re-raise the default action
-   (the process dies by that signal), raise ``KeyboardInterrupt``, or call the user's handler.
-   Signals that were ignored stay ignored; a second signal during the handler skips the close.
-4. The parent of a process that multiprocessing started (a collector worker) dies while
-   envs with ``exit_with_parent`` are open: a watcher thread sends this process SIGTERM, so 3.
-   runs; if the process is still alive ``PARENT_EXIT_GRACE`` seconds later (SIGTERM ignored),
-   SIGKILL, so 5. runs.
-5. The main process dies without running Python code (SIGKILL, OOM killer, native crash): the
-   external reaper (``_reaper.py``) sees the owner's pidfd become readable and SIGKILLs every
-   recorded worker, group member, snapshot descendant and tagged process; workers armed with
-   ``PR_SET_PDEATHSIG`` die by themselves at the same moment.
-
-Inside the supervisor's shutdown, one deadline (``shutdown_timeout``) bounds: the "close"
-message (the workers have until ``CLOSE_MESSAGE_SHARE`` = 60 % of it to exit), SIGTERM to each
-remaining worker's process group (until ``SIGTERM_SHARE`` = 80 %), SIGKILL (until
-``SIGKILL_SHARE`` = 95 %), then, in what is left, a sweep of every recorded descendant, group
-member and tagged process and reaping by pid. The workers are reaped before their descendants:
-a worker's pipe closes a moment before the kernel hands its children over to this process (the
-child subreaper), so the zombies among them are only ours, and collected, once the worker itself
-has been reaped; what dies later still is collected by a background late reaper. No wait runs
-past the deadline: ``close()`` returns within ``shutdown_timeout`` plus the time of a few system
-calls.
-``docs/design.md`` quotes these numbers; ``tests/test_docs.py`` checks every quote.
+The order in which a program's end closes the envs, and the escalation inside each close, is
+NOTE [shutdown order] in ``_shutdown``.
 """
 
 from __future__ import annotations
@@ -52,16 +21,6 @@ from types import FrameType
 from typing import Any, Protocol
 
 from . import _platform
-
-#: NOTE [shutdown order]: share of ``shutdown_timeout`` the workers get to exit after the
-#: "close" message; SIGTERM to their process groups follows.
-CLOSE_MESSAGE_SHARE = 0.6
-#: NOTE [shutdown order]: share of ``shutdown_timeout`` by which SIGTERMed workers must have
-#: exited; SIGKILL follows, and the deadline itself ends the escalation.
-SIGTERM_SHARE = 0.8
-#: NOTE [shutdown order]: share of ``shutdown_timeout`` by which SIGKILLed workers must be gone;
-#: the sweep and reaping use the rest, and nothing waits past the deadline.
-SIGKILL_SHARE = 0.95
 
 __all__ = ["close_all", "live_envs", "multiprocessing_parent", "register", "unregister"]
 

@@ -179,6 +179,11 @@ def watch(pid: int, ctime: float, pgid: int) -> None:
     send(watch_message(pid, ctime, pgid))
 
 
+def unwatch(pid: int) -> None:
+    """Tell this process's reaper that ``pid`` (reaped, or replaced) is no longer ours."""
+    send({"op": "unwatch", "pid": pid})
+
+
 def notify_watch(fifo: str, pid: int, ctime: float, pgid: int) -> None:
     """Report a process to the reaper listening on ``fifo`` (from any process). Never raises."""
     data = (json.dumps(watch_message(pid, ctime, pgid)) + "\n").encode()

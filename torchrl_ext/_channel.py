@@ -1,0 +1,109 @@
+"""The parent's end of a worker's command pipe, as the supervisor hands it to TorchRL.
+
+It remembers the last command sent (every error names it), and turns a read that finds the
+worker gone into the worker's own failure. With restarts on, a send to a lost worker does not
+raise, the last message is kept for a replay, answers still owed are counted and can be
+drained, and the restart engine may take a command instead of sending it (``intercept``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ._compat import COMMANDS, NO_PIPE_ANSWER
+
+__all__ = ["ParentChannel", "RestartableChannel", "is_forwarded_call"]
+
+
+class ParentChannel:
+    """The parent's end of a worker pipe, remembering the last command sent.
+
+    A read that finds the worker gone raises the worker's failure (``on_eof``, set by the
+    supervisor) instead of a bare ``EOFError``: the exception its env raised, or
+    :class:`WorkerDiedError`. That is how a call forwarded to the workers' envs
+    (``env.some_method()``) that fails there raises the env's error itself: TorchRL's worker
+    loop cannot survive it, and the pipe's EOF is all the caller would see.
+    """
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self.last_command: str | None = None
+        self.on_eof: Callable[[], BaseException | None] | None = None
+        # Bound once: polled after every step (no __getattr__ on the hot path).
+        self.poll = conn.poll
+
+    def send(self, obj: Any) -> None:
+        if isinstance(obj, tuple) and obj and isinstance(obj[0], str):
+            self.last_command = obj[0]
+        self._conn.send(obj)
+
+    def recv(self) -> Any:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            failure = self.on_eof() if self.on_eof is not None else None
+            if failure is not None:
+                raise failure from None
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+def is_forwarded_call(command: str | None) -> bool:
+    """Whether ``command`` (a channel's last) was a call forwarded to the worker's env."""
+    return command is not None and command not in COMMANDS
+
+
+class RestartableChannel(ParentChannel):
+    """A worker pipe of an env with restarts on.
+
+    A send to a lost worker does not raise (the loss is handled where the env waits for the
+    answer); the last message is kept (a reset in flight is replayed on the replacement);
+    answers still owed on the pipe are counted, so that they can be drained before the next
+    call (no later call may read an earlier call's answer); a read that finds the worker gone
+    raises the worker's loss (``on_eof``); ``intercept`` (set on a replacement that owes its
+    slot a marked transition) may take a command instead of sending it.
+    """
+
+    def __init__(self, conn: Any) -> None:
+        super().__init__(conn)
+        self.last_message: Any = None
+        #: Set by the restart engine on a replacement that owes its slot a marked transition;
+        #: returns True when it took the command (nothing is sent). Only the engine sets it.
+        self.intercept: Callable[[Any], bool] | None = None
+        self.owed = 0
+
+    def send(self, obj: Any) -> None:
+        command = obj[0] if isinstance(obj, tuple) and obj else None
+        if command is not None:
+            if self.intercept is not None and self.intercept(obj):
+                return
+            self.last_command = command if isinstance(command, str) else repr(command)
+            self.last_message = obj
+        try:
+            self._conn.send(obj)
+        except (OSError, EOFError):
+            return
+        if command is not None and not (isinstance(command, str) and command in NO_PIPE_ANSWER):
+            self.owed += 1
+
+    def recv(self) -> Any:
+        message = super().recv()
+        if self.owed:
+            self.owed -= 1
+        return message
+
+    def drain(self, until: float) -> None:
+        """Read and drop the answers still owed, waiting until ``until`` (monotonic) at most."""
+        while self.owed:
+            if not self._conn.poll(max(0.0, until - time.monotonic())):
+                return
+            try:
+                self._conn.recv()
+            except (EOFError, OSError):
+                self.owed = 0
+                return
+            self.owed -= 1

@@ -1,0 +1,154 @@
+"""The options of one ``ManagedParallelEnv``: one frozen dataclass, validated once.
+
+``ManagedParallelEnv.__init__`` names every option in its signature (the documented API) and
+hands them here by name; nothing else lists them. An env pickled (sent to a collector worker)
+carries its :class:`Options` as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import multiprocessing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._compat import UPSTREAM_DEFAULTS
+from ._done_signal import DEFAULT_SPIN
+
+__all__ = ["DEFAULT_SHUTDOWN_TIMEOUT", "Options"]
+
+#: As the installed TorchRL: 10 s (TorchRL 0.10 hard-codes the same wait).
+DEFAULT_SHUTDOWN_TIMEOUT: float = UPSTREAM_DEFAULTS["shutdown_timeout"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the user asked of one env, resolved and checked (see ``ManagedParallelEnv``).
+
+    Example:
+        >>> Options.validated(max_restarts=2).own_wait
+        True
+        >>> Options.validated(step_timeout=-1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: step_timeout must be None or > 0 seconds, got -1.0
+    """
+
+    #: Resolved from ``daemon_workers``/``daemon`` and TorchRL's default.
+    daemon_workers: bool
+    shutdown_timeout: float
+    handle_signals: bool
+    reap_orphans: bool
+    #: Resolved: ``None`` becomes ``not daemon_workers``.
+    metadata_in_subprocess: bool
+    spin_wait: float | None
+    exit_with_parent: bool | None
+    preload: bool | tuple[str, ...]
+    child_start_method: str | None
+    max_restarts: int
+    restart_window: float | None
+    step_timeout: float | None
+    restart_on_error: bool
+
+    @classmethod
+    def validated(
+        cls,
+        *,
+        daemon_workers: bool | None = None,
+        daemon: bool | None = None,
+        shutdown_timeout: float | None = None,
+        handle_signals: bool = True,
+        reap_orphans: bool = True,
+        metadata_in_subprocess: bool | None = None,
+        spin_wait: float | None = None,
+        exit_with_parent: bool | None = None,
+        preload: bool | Sequence[str] = True,
+        child_start_method: str | None = None,
+        max_restarts: int = 0,
+        restart_window: float | None = None,
+        step_timeout: float | None = None,
+        restart_on_error: bool = False,
+    ) -> Options:
+        """Check and resolve the options as ``ManagedParallelEnv`` takes them; raise
+        ``ValueError`` naming the parameter to change."""
+        if shutdown_timeout is None:
+            shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT
+        if not shutdown_timeout > 0:
+            raise ValueError(f"shutdown_timeout must be positive, got {shutdown_timeout!r}")
+        if spin_wait is not None and not spin_wait >= 0:
+            raise ValueError(f"spin_wait must be None or >= 0 seconds, got {spin_wait!r}")
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+        if restart_window is not None and not restart_window > 0:
+            raise ValueError(f"restart_window must be None or > 0 seconds, got {restart_window!r}")
+        if step_timeout is not None and not step_timeout > 0:
+            raise ValueError(f"step_timeout must be None or > 0 seconds, got {step_timeout!r}")
+        methods = multiprocessing.get_all_start_methods()
+        if child_start_method is not None and child_start_method not in methods:
+            raise ValueError(
+                f"child_start_method={child_start_method!r} is not a start method here; "
+                f"choose one of {methods} or None"
+            )
+        resolved = _resolve_daemon(daemon_workers, daemon)
+        return cls(
+            daemon_workers=resolved,
+            shutdown_timeout=float(shutdown_timeout),
+            handle_signals=bool(handle_signals),
+            reap_orphans=bool(reap_orphans),
+            metadata_in_subprocess=not resolved
+            if metadata_in_subprocess is None
+            else bool(metadata_in_subprocess),
+            spin_wait=spin_wait,
+            exit_with_parent=exit_with_parent,
+            preload=bool(preload) if isinstance(preload, bool) else tuple(str(m) for m in preload),
+            child_start_method=child_start_method,
+            max_restarts=max_restarts,
+            restart_window=None if restart_window is None else float(restart_window),
+            step_timeout=None if step_timeout is None else float(step_timeout),
+            restart_on_error=bool(restart_on_error),
+        )
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> Options:
+        """:meth:`validated` with the options found in ``arguments`` (the caller's ``locals()``)."""
+        names = _VALIDATED_NAMES
+        return cls.validated(**{name: value for name, value in arguments.items() if name in names})
+
+    def replace(self, **changes: Any) -> Options:
+        """A copy with ``changes`` (same checks as :meth:`validated` for the ones that have any)."""
+        if "shutdown_timeout" in changes and not changes["shutdown_timeout"] > 0:
+            raise ValueError(f"shutdown_timeout must be positive, got {changes['shutdown_timeout']!r}")
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def spin(self) -> float:
+        """What the wait uses: ``spin_wait`` with its default resolved."""
+        return DEFAULT_SPIN if self.spin_wait is None else self.spin_wait
+
+    @property
+    def own_wait(self) -> bool:
+        """Our own wait loop (restarts, hang detection) instead of TorchRL's."""
+        return self.max_restarts > 0 or self.step_timeout is not None
+
+    @property
+    def extra_preload(self) -> tuple[str, ...]:
+        """Modules the user asked the preloaded server to import besides the factory's."""
+        return self.preload if isinstance(self.preload, tuple) else ()
+
+
+def _resolve_daemon(daemon_workers: bool | None, daemon: bool | None) -> bool:
+    if daemon_workers is not None and daemon is not None and bool(daemon_workers) != bool(daemon):
+        raise ValueError(
+            f"daemon_workers={daemon_workers!r} and daemon={daemon!r} disagree; `daemon` is an alias "
+            "of `daemon_workers`: pass only one (daemon_workers=False lets workers have children)."
+        )
+    if daemon_workers is not None:
+        return bool(daemon_workers)
+    if daemon is not None:
+        return bool(daemon)
+    return bool(UPSTREAM_DEFAULTS["daemon"])
+
+
+_VALIDATED_NAMES = frozenset(inspect.signature(Options.validated).parameters)

@@ -1,0 +1,154 @@
+"""What the supervisor knows of one worker: its identity, its pipe, its exit and its loss.
+
+Identity lives on the object, as psutil's does: ``(pid, create_time)`` (:attr:`WorkerRecord.key`)
+decides whether the process may still be signalled (:meth:`WorkerRecord.signal` never signals a
+reused pid) and whether it is still running (:meth:`WorkerRecord.gone`).
+
+Fields and who may change them: the supervisor creates a record when a worker is attached or
+replaced; its watcher thread (or a synchronous poll) sets ``finished``, ``lost_at``, ``exitcode``,
+``descendants_killed`` and ``failure``, then ``handled``, once per record; the restart engine
+sets ``hung`` and ``hang_timeout`` (through ``WorkerSupervisor.kill_hung``) before the kill;
+``descendants`` is replaced as a whole by the snapshot (readers never see it change size).
+"""
+
+from __future__ import annotations
+
+import multiprocessing.popen_forkserver
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from . import _identity, _platform
+from ._channel import ParentChannel
+
+__all__ = ["Loss", "WorkerRecord"]
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A lost worker as the restart engine sees it: a snapshot, taken once its exit was handled."""
+
+    index: int
+    pid: int
+    exitcode: int | None
+    failure: BaseException | None
+    hung: bool
+    #: ``time.monotonic()`` when the exit was noticed.
+    lost_at: float
+    descendants_killed: int
+    #: The channel of the lost worker (its last command and message: what the slot owes).
+    channel: ParentChannel
+
+
+@dataclass(eq=False)
+class WorkerRecord:
+    """One worker process of one start, from its start until it is reaped."""
+
+    index: int
+    process: Any  # multiprocessing.Process
+    pid: int
+    create_time: float
+    channel: ParentChannel
+    descendants: dict[_identity.ProcessKey, psutil.Process] = field(default_factory=dict)
+    failure: BaseException | None = None
+    exitcode: int | None = None
+    descendants_killed: int = 0
+    #: Set once, when its exit is noticed (watcher or poll, under the supervisor's lock).
+    finished: bool = False
+    sentinel: int = -1
+    pidfd: int | None = None
+    #: Set when the env killed it for not answering within ``hang_timeout`` seconds.
+    hung: bool = False
+    hang_timeout: float = 0.0
+    #: ``time.monotonic()`` when its exit was noticed.
+    lost_at: float = 0.0
+    #: Set once its exit has been handled (tree killed, failure recorded).
+    handled: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        # A pidfd becomes readable when the process exits. The multiprocessing sentinel is a
+        # pipe that forked grandchildren (fork-context DataLoader workers) keep open after the
+        # worker died, so it is only the fallback where pidfds are unavailable.
+        self.pidfd = _platform.open_pidfd(self.pid)
+        self.sentinel = self.pidfd if self.pidfd is not None else int(self.process.sentinel)
+
+    @property
+    def key(self) -> _identity.ProcessKey:
+        return (self.pid, self.create_time)
+
+    def loss(self) -> Loss:
+        return Loss(
+            self.index,
+            self.pid,
+            self.exitcode,
+            self.failure,
+            self.hung,
+            self.lost_at,
+            self.descendants_killed,
+            self.channel,
+        )
+
+    def exited(self) -> bool:
+        """Whether multiprocessing has collected its exit (cheap; no identity check)."""
+        try:
+            return self.process.exitcode is not None
+        except ValueError:  # multiprocessing.Process.close() was called
+            return True
+
+    def gone(self) -> bool:
+        """Exited, or no process of this identity runs any more."""
+        return self.exited() or not _identity.running(self.pid, self.create_time)
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to its process group (itself if it leads none); never to a stranger."""
+        proc = _identity.same_process(self.pid, self.create_time)
+        if proc is None:  # gone, or its pid was reused
+            return
+        if _platform.process_group_of(self.pid) == self.pid:
+            try:
+                _platform.kill_process_group(self.pid, sig)
+                return
+            except (OSError, ValueError):
+                pass
+        try:
+            proc.send_signal(sig)
+        except psutil.Error:
+            pass
+
+    def read_exitcode(self, wait: float = 1.0) -> int | None:
+        """Its exit code, polled for up to ``wait`` seconds.
+
+        The pidfd and the multiprocessing sentinel turn readable while the kernel is still
+        tearing the process down, a moment before its status can be collected.
+        """
+        deadline = time.monotonic() + wait
+        orphan_prone = isinstance(
+            getattr(self.process, "_popen", None), multiprocessing.popen_forkserver.Popen
+        )
+        while True:
+            try:
+                code = self.process.exitcode  # collects a child we started ourselves
+            except (ValueError, AssertionError):  # Process.close() was called
+                return self.exitcode
+            if self.pidfd is not None and (code is None or (code == 255 and orphan_prone)):
+                # The kernel's status, read without collecting it: a fork-server child
+                # re-parented to us after its server died reports 255 through multiprocessing.
+                peeked = _platform.peek_exit_status(self.pidfd)
+                code = code if peeked is None else peeked
+            if code is not None:
+                if orphan_prone:
+                    self._reap_if_orphaned()
+                return int(code)
+            if time.monotonic() >= deadline:
+                return self.exitcode
+            time.sleep(0.002)
+
+    def _reap_if_orphaned(self) -> None:
+        """A fork-server child whose server died is re-parented to us (the subreaper) and
+        nobody else will collect it; a child we started ourselves is left to multiprocessing."""
+        proc = _identity.same_process(self.pid, self.create_time)
+        if proc is not None:
+            _identity.reap_if_child([proc])

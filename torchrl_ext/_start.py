@@ -1,0 +1,305 @@
+"""How a managed env starts its workers: the start policy, the start plan, the start sequence.
+
+The policy is fixed when the env is built (:func:`preload_modules`: whether workers are forks of
+the preloaded server, and with which modules). The plan is computed once per start
+(:class:`StartPlan`: context, start method, the parent-death rule, the workers' own start
+method, the owner's identity). The sequence (:func:`start_workers`) wraps TorchRL's own start:
+our config next to each worker's kwargs, our worker entry, the preloaded context, tagging at
+birth, process templates for restarts; then the supervisor takes the workers over. A failed
+start is undone by :func:`abort_start`, which reports the worker's error rather than TorchRL's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _forkserver, _identity, _lifecycle, _platform, _reaper_client
+from ._compat import (
+    ConfiguredKwargs,
+    SupervisedWorkers,
+    Upstream,
+    default_start_method,
+    install_fault_check,
+    managed_worker_targets,
+    worker_context,
+)
+from ._done_signal import has_spare_core
+from ._errors import DaemonicParentError
+from ._options import Options
+from ._report import SupervisionReport
+from ._restart import RestartEngine, raise_failure
+from ._supervisor import WorkerSupervisor
+from ._tag import new_env_tag, tagged_spawns
+from ._worker import WorkerConfig
+
+__all__ = ["EnvState", "StartPlan", "abort_start", "no_faults", "preload_refusal", "start_workers"]
+
+log = logging.getLogger("torchrl_ext")
+
+_NOT_PRELOADED = ("__main__", "__mp_main__", "builtins")
+
+
+def factory_modules(create_env_fn: Any) -> list[str]:
+    """Modules defining the env factories (``__main__`` is preloaded through its path)."""
+    fns = list(create_env_fn) if isinstance(create_env_fn, list | tuple) else [create_env_fn]
+    found: list[str] = []
+    for fn in fns:
+        for _ in range(8):  # unwrap EnvCreator, functools.partial, CloudpickleWrapper
+            inner = getattr(fn, "create_env_fn", None) or getattr(fn, "func", None) or getattr(fn, "fn", None)
+            if inner is None or inner is fn:
+                break
+            fn = inner
+        module = getattr(fn, "__module__", None)
+        if not isinstance(module, str):
+            module = type(fn).__module__
+        if module in _NOT_PRELOADED or module.split(".")[0] in ("torchrl", "functools"):
+            continue
+        if module not in found:
+            found.append(module)
+    return found
+
+
+def preload_refusal(
+    preload: bool | tuple[str, ...], daemon_workers: bool, mp_start_method: str | None
+) -> str | None:
+    """Why workers will not be forks of the preloaded server (``None``: they will).
+
+    Example:
+        >>> preload_refusal(True, False, "spawn")
+        'mp_start_method is given'
+    """
+    if preload is False:
+        return "preload=False"
+    if daemon_workers:
+        return "daemonic workers (they may not have children)"
+    if mp_start_method is not None:
+        return "mp_start_method is given"
+    if _forkserver.start_method_chosen_by_user():
+        return "the program chose a global start method (multiprocessing.set_start_method)"
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "this platform has no forkserver start method"
+    return None
+
+
+def preload_modules(
+    options: Options, create_env_fn: Any, mp_start_method: str | None
+) -> tuple[str, ...] | None:
+    """The modules the preloaded server is asked for (base ones excluded); ``None``: not used."""
+    if preload_refusal(options.preload, options.daemon_workers, mp_start_method) is not None:
+        return None
+    return (*factory_modules(create_env_fn), *options.extra_preload)
+
+
+def preloaded_context(modules: tuple[str, ...] | None) -> Any:
+    """The preloaded server's context (the server running) if ``modules`` is not ``None``."""
+    if modules is None:
+        return None
+    _lifecycle.install_exit_hook()  # stops the server at exit, after every env is closed
+    return _forkserver.context(modules)
+
+
+def child_start_method(options: Options, modules: tuple[str, ...] | None) -> str | None:
+    """Default start method inside each worker (see ``child_start_method``)."""
+    if options.child_start_method is not None:
+        return options.child_start_method
+    return "fork" if modules is not None else None
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    """How one start goes, computed once when it begins (:meth:`make`)."""
+
+    #: The preloaded server's context, or ``None`` (TorchRL's own start method).
+    context: Any
+    #: What the workers' processes are: ``"forkserver"`` for the preloaded server's.
+    start_method: str
+    #: NOTE [tagged at birth] and the parent-death rule (``_platform``), for this thread.
+    arm_pdeathsig: bool
+    child_start_method: str | None
+    owner: _identity.ProcessKey
+    preload_modules: tuple[str, ...] | None
+
+    @classmethod
+    def make(
+        cls, options: Options, modules: tuple[str, ...] | None, mp_start_method: str | None
+    ) -> StartPlan:
+        context = preloaded_context(modules)  # raises PreloadError before anything started
+        start_method = "forkserver" if context is not None else default_start_method(mp_start_method)
+        return cls(
+            context=context,
+            start_method=start_method,
+            arm_pdeathsig=_platform.parent_death_outlives_worker(start_method),
+            child_start_method=child_start_method(options, modules),
+            owner=_identity.me(),
+            preload_modules=modules,
+        )
+
+    @property
+    def worker_context(self) -> Any:
+        """The context of the workers' pipes and events (a replacement needs the same)."""
+        return self.context or multiprocessing.get_context(self.start_method)
+
+    def refresh(self, fifo: str | None) -> None:
+        """Before a replacement starts: a preloaded server that died meanwhile is replaced,
+        and the reaper watches the one running."""
+        if self.preload_modules is None:
+            return
+        preloaded_context(self.preload_modules)
+        server = _forkserver.server_key()
+        if server is not None and fifo:
+            _reaper_client.notify_watch(fifo, server[0], server[1], server[0])
+
+
+@dataclass
+class EnvState:
+    """One env's own state, kept in one ``__dict__`` entry (see the ``__getattr__`` trap).
+
+    Fields and who changes them: ``options`` (the shutdown_timeout setter replaces them);
+    ``preload_modules`` (fixed at construction); ``engine`` (lives as long as the env: its
+    restart records span starts); ``supervisor``, ``plan`` and ``worker_pids`` (set by
+    :func:`start_workers`, cleared by the close); ``report``, ``closing`` and ``close_reason``
+    (the close). A pickled env carries only its options and preload modules.
+    """
+
+    options: Options
+    preload_modules: tuple[str, ...] | None
+    engine: RestartEngine = field(init=False)
+    supervisor: WorkerSupervisor | None = None
+    plan: StartPlan | None = None
+    report: SupervisionReport | None = None
+    closing: bool = False
+    close_reason: str = "close"
+    worker_pids: list[int] = field(default_factory=list)
+    fifo: str | None = None
+
+    def __post_init__(self) -> None:
+        self.engine = RestartEngine(self.options, self._refresh_start)
+
+    def _refresh_start(self) -> None:
+        if self.plan is not None:
+            self.plan.refresh(self.fifo)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (EnvState, (self.options, self.preload_modules))
+
+
+def start_workers(env: Any, state: EnvState, start_upstream: Callable[[], None]) -> None:
+    """Start ``env``'s workers through TorchRL's ``start_upstream``, supervised from birth."""
+    options = state.options
+    current = multiprocessing.current_process()
+    if current.daemon:
+        raise DaemonicParentError(current.name)
+    upstream = Upstream(env)
+    if options.own_wait:
+        _check_restartable(upstream)
+    plan = StartPlan.make(options, state.preload_modules, upstream.mp_start_method)
+    tag = new_env_tag()
+    label = f"ManagedParallelEnv[{tag.env_id}]"
+    fifo = _reaper_client.acquire()
+    supervisor = WorkerSupervisor(tag, options.shutdown_timeout, label, base_dir=os.path.dirname(fifo))
+    if plan.context is not None:
+        server = _forkserver.server_key()
+        if server is not None:  # the reaper kills it too if this process dies
+            _reaper_client.notify_watch(fifo, server[0], server[1], server[0])
+    # Our config travels next to each worker's kwargs, not around its factory: see _compat.
+    user_kwargs = upstream.create_env_kwargs
+    upstream.create_env_kwargs = [
+        ConfiguredKwargs(
+            kwargs,
+            WorkerConfig(
+                index=i,
+                tag=str(tag),
+                daemon_workers=options.daemon_workers,
+                arm_pdeathsig=plan.arm_pdeathsig,
+                owner_pid=plan.owner[0],
+                owner_create_time=plan.owner[1],
+                report_path=supervisor.report_path(i),
+                reaper_fifo=fifo,
+                done_fifo=None if options.spin == float("inf") else supervisor.done_signal.path,
+                child_start_method=plan.child_start_method,
+            ),
+        )
+        for i, kwargs in enumerate(user_kwargs)
+    ]
+    install_fault_check()
+    exit_with_parent = options.exit_with_parent
+    if exit_with_parent is None:
+        exit_with_parent = _lifecycle.multiprocessing_parent() is not None
+    _lifecycle.register(env, options.handle_signals, options.reap_orphans, exit_with_parent)
+    engine = state.engine
+    try:
+        with (
+            managed_worker_targets(),
+            worker_context(env, plan.context),
+            tagged_spawns(tag),
+            engine.recording() as started,
+        ):
+            start_upstream()
+        processes: list[Any] = upstream.workers
+        engine.adopt(started, len(processes), plan.worker_context)
+    except BaseException as err:
+        failure = abort_start(env, supervisor, err, options.shutdown_timeout)
+        if failure is None:
+            raise
+        raise_failure(failure)
+    finally:
+        upstream.create_env_kwargs = user_kwargs
+    supervisor.restartable = engine.on
+    upstream.channels = supervisor.attach(processes, upstream.channels)
+    upstream.workers = SupervisedWorkers(processes, supervisor.check)
+    supervisor.done_signal.spare_core = has_spare_core(len(processes))
+    state.worker_pids = [p.pid for p in processes]
+    state.plan, state.fifo, state.supervisor = plan, fifo, supervisor
+    log.debug("%s started %d workers: %s", label, len(processes), state.worker_pids)
+
+
+def _check_restartable(env: Upstream) -> None:
+    """Restarts and hang detection work on TorchRL's shared buffers, with tensors only."""
+    if not env.use_buffers:
+        raise ValueError(
+            "max_restarts and step_timeout need TorchRL's shared buffers; this env has "
+            "use_buffers=False. Pass use_buffers=True, or max_restarts=0 and step_timeout=None."
+        )
+    if env.non_tensor_keys:
+        raise ValueError(
+            "max_restarts and step_timeout are not supported for envs with non-tensor specs "
+            f"({env.non_tensor_keys}); pass max_restarts=0 and step_timeout=None."
+        )
+
+
+def abort_start(
+    env: Any, supervisor: WorkerSupervisor, err: BaseException, timeout: float
+) -> BaseException | None:
+    """Undo a failed start: kill what started; the failure that explains it, if a worker's."""
+    upstream = Upstream(env)
+    workers = list(upstream.workers or [])
+    channels = list(upstream.channels or [])
+    failure: BaseException | None = None
+    try:
+        if workers:
+            supervisor.attach(workers, channels[: len(workers)])
+            if not isinstance(err, KeyboardInterrupt | SystemExit):
+                supervisor.failure(wait=1.0)
+                failure = supervisor.startup_failure()
+        supervisor.shutdown("start-up failure", timeout=min(timeout, 3.0))
+    finally:
+        supervisor.stop()
+        for channel in channels:
+            with contextlib.suppress(Exception):
+                channel.close()
+        upstream.workers = SupervisedWorkers([], no_faults)
+        upstream.channels = []
+        upstream.is_closed = True
+        _lifecycle.unregister(env)
+        _reaper_client.release()
+    return failure
+
+
+def no_faults() -> None:
+    """Fault check of a closed env: nothing to report."""
