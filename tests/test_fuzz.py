@@ -501,9 +501,9 @@ def _loss_seen(env: Any, slot: int) -> bool:
     supervisor = env.__dict__["_trx"].supervisor
     if supervisor is None:
         return False
-    if supervisor.first_failure is not None:
+    if supervisor.failure() is not None:
         return True
-    return any(worker.index == slot and worker.handled.is_set() for worker in list(supervisor.lost))
+    return slot in supervisor.lost_slots() and supervisor.loss_handled(slot)
 
 
 def kill_between_calls(env: Any, slot: int) -> int:

@@ -688,7 +688,7 @@ def _make_blocking_env(**kwargs: Any) -> _BlockingEnv:
 def _lost_slots(env: ManagedParallelEnv) -> list[int]:
     """The slots whose loss the supervisor has recorded and no call has handled yet."""
     supervisor = env.__dict__["_trx"].supervisor
-    return [] if supervisor is None else [worker.index for worker in supervisor.lost]
+    return [] if supervisor is None else supervisor.lost_slots()
 
 
 def _lose_before_the_call(env: ManagedParallelEnv, slot: int) -> int:

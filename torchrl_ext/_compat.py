@@ -226,7 +226,7 @@ class Upstream:
     owns_workers_flag: _Attr[bool | None] = _Attr(
         "_owns_workers", "False for a view, which must not close workers", (0, 14), kind="view"
     )
-    batched_pipe_timeout: _Attr[float | None] = _Attr("BATCHED_PIPE_TIMEOUT", "TorchRL's wait bound, kept by ours")
+    batched_pipe_timeout: _Attr[float | None] = _Attr("BATCHED_PIPE_TIMEOUT", "the wait bound, kept by ours")
 
     def __init__(self, env: Any) -> None:
         self.env = env

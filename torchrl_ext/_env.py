@@ -197,7 +197,8 @@ class ManagedParallelEnv(ParallelEnv):
     @property
     def worker_pids(self) -> list[int]:
         """Pids of the current (or last) workers."""
-        return list(self._state.worker_pids)
+        supervisor = self._state.supervisor
+        return supervisor.pids() if supervisor is not None else list(self._state.worker_pids)
 
     @property
     def restarts(self) -> list[RestartRecord]:
@@ -345,6 +346,7 @@ class ManagedParallelEnv(ParallelEnv):
             # has killed the dead worker's tree; the survivors are closed by the user's close().
             return
         state.supervisor = None
+        state.worker_pids = supervisor.pids()
         if supervisor.owner_pid != os.getpid():
             # A forked copy of this env (fork-context DataLoader worker, fork of the user's own):
             # the workers belong to the parent process, which closes them.

@@ -154,6 +154,11 @@ class WorkerSupervisor:
         with self._lock:
             return next(w for w in self._workers if w.index == index)
 
+    def pids(self) -> list[int]:
+        """The current worker pids, by slot."""
+        with self._lock:
+            return [w.pid for w in sorted(self._workers, key=lambda w: w.index)]
+
     def sentinel(self, index: int) -> int:
         """What becomes readable when slot ``index``'s current worker exits."""
         return self._worker(index).sentinel
