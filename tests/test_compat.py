@@ -6,11 +6,15 @@ instead of a managed env failing somewhere later. See docs/design.md, "Trying a 
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import functools
 import importlib
-import importlib.metadata
+import inspect
 import re
 import types
+from pathlib import Path
+from typing import Any
 
 import pytest
 from torchrl.envs import ParallelEnv, batched_envs
@@ -19,50 +23,162 @@ from tests.envs import make_env
 from torchrl_ext import ManagedParallelEnv, _compat
 
 
-def _release() -> tuple[int, int]:
-    # The wheel's metadata, not torchrl.__version__ (0.10.1 wheels report 0.0.0+unknown there).
-    major, minor = re.match(r"(\d+)\.(\d+)", importlib.metadata.version("torchrl")).groups()  # type: ignore[union-attr]
-    return int(major), int(minor)
+@dataclasses.dataclass
+class _Sources:
+    """Where each kind of inventory row is looked up; :func:`_without` takes one name away."""
+
+    modules: dict[str, Any]
+    env: Any
+    view: Any
+    env_class: Any
+    worker_params: frozenset[str]
+    loop_source: str
 
 
-def _required(label: str) -> tuple[str, bool]:
-    """``"name (>=0.11)"`` -> ("name", whether the installed release must have it)."""
-    found = re.fullmatch(r"(\S+)(?: \(>=(\d+)\.(\d+)\))?", label)
-    assert found is not None, label
-    name, major, minor = found.groups()
-    if major is None:
-        return name, True
-    return name, _release() >= (int(major), int(minor))
-
-
-@pytest.mark.compat
-@pytest.mark.parametrize("label", sorted(_compat.PRIVATE_MODULE_NAMES))
-def test_private_module_names_exist(label: str) -> None:
-    name, required = _required(label)
-    module_name, attr = name.rsplit(".", 1)
-    module = importlib.import_module(
-        f"torchrl.envs.{module_name}" if module_name == "batched_envs" else f"torchrl.{module_name}"
+def _installed_sources(env: Any, view: Any) -> _Sources:
+    entry = batched_envs._run_worker_pipe_shared_mem
+    return _Sources(
+        modules={"": batched_envs, "_utils": importlib.import_module("torchrl._utils")},
+        env=env,
+        view=view,
+        env_class=ParallelEnv,
+        worker_params=frozenset(inspect.signature(entry).parameters),
+        loop_source=inspect.getsource(entry),
     )
-    if required:
-        assert hasattr(module, attr), (
-            f"TorchRL {importlib.metadata.version('torchrl')} has no {module.__name__}.{attr}; "
-            f"torchrl_ext uses it as the {_compat.PRIVATE_MODULE_NAMES[label]}"
+
+
+def _has(target: Any, name: str) -> bool:
+    return target is not None and (name in vars(target) or hasattr(type(target), name))
+
+
+def _missing(sources: _Sources, release: tuple[int, int]) -> list[str]:
+    """The inventory rows that ``sources`` lack (rows newer than ``release`` are not required)."""
+    found = []
+    for row in _compat.INVENTORY:
+        if row.since is not None and release < row.since:
+            continue
+        if row.kind == "module":
+            module, _, attr = row.name.rpartition(".")
+            present = hasattr(sources.modules[module], attr)
+        elif row.kind in ("env", "view"):
+            present = _has(sources.env if row.kind == "env" else sources.view, row.name)
+        elif row.kind in ("class", "hook"):
+            present = hasattr(sources.env_class, row.name)
+        elif row.kind == "worker_kwarg":
+            present = row.name in sources.worker_params
+        else:  # a command: TorchRL's worker loop compares against its name
+            present = re.search(rf"""["']{re.escape(row.name)}["']""", sources.loop_source) is not None
+        if not present:
+            found.append(str(row))
+    return found
+
+
+def _without(sources: _Sources, row: _compat.Private) -> _Sources:
+    """``sources`` as they would be had TorchRL renamed ``row``'s name away."""
+    name = row.name
+    if row.kind == "module":
+        module, _, attr = name.rpartition(".")
+        stripped = types.SimpleNamespace(
+            **{k: v for k, v in vars(sources.modules[module]).items() if k != attr}
         )
+        return dataclasses.replace(sources, modules={**sources.modules, module: stripped})
+    if row.kind in ("env", "view"):
+        target = sources.env if row.kind == "env" else sources.view
+        stub = types.SimpleNamespace(**{k: v for k, v in vars(target).items() if k != name})
+        return dataclasses.replace(sources, **{row.kind: stub})
+    if row.kind in ("class", "hook"):
+        names = {k for cls in ParallelEnv.__mro__ for k in vars(cls)} - {name}
+        return dataclasses.replace(sources, env_class=types.SimpleNamespace(**dict.fromkeys(names)))
+    if row.kind == "worker_kwarg":
+        return dataclasses.replace(sources, worker_params=sources.worker_params - {name})
+    pattern = rf"""["']{re.escape(name)}["']"""
+    return dataclasses.replace(sources, loop_source=re.sub(pattern, "'renamed'", sources.loop_source))
 
 
-@pytest.mark.compat
-def test_private_env_attributes_exist() -> None:
+@pytest.fixture(scope="module")
+def started_sources() -> Any:
+    """The installed TorchRL's names, read from a started managed env and, from TorchRL 0.14
+    on, an indexed view of it."""
     env = ManagedParallelEnv(2, functools.partial(make_env), daemon_workers=False, mp_start_method="fork")
     try:
         env.reset()
-        missing = []
-        for label, purpose in _compat.PRIVATE_ENV_ATTRIBUTES.items():
-            name, required = _required(label)
-            if required and name not in env.__dict__ and not hasattr(ParallelEnv, name):
-                missing.append(f"{name} ({purpose})")
-        assert not missing, f"TorchRL {importlib.metadata.version('torchrl')} lacks: {missing}"
+        view = env[0:1] if _compat.torchrl_release() >= (0, 14) else None
+        yield _installed_sources(env, view)
     finally:
         env.close()
+
+
+@pytest.mark.compat
+def test_every_private_name_in_the_inventory_exists_on_the_installed_torchrl(started_sources: Any) -> None:
+    """Generated from ``_compat.INVENTORY``: a TorchRL release that renames or drops any name we
+    use fails here, naming it and what it is for."""
+    missing = _missing(started_sources, _compat.torchrl_release())
+    assert not missing, f"TorchRL {_compat.torchrl_release()} lacks: {missing}"
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("row", _compat.INVENTORY, ids=lambda row: f"{row.kind}:{row.name}")
+def test_the_inventory_check_fails_when_that_name_is_removed(started_sources: Any, row: Any) -> None:
+    """Removing any one name the package uses makes the check above fail, on that name alone."""
+    release = max(_compat.torchrl_release(), row.since or (0, 0))
+    if row.kind == "view" and started_sources.view is None:
+        pytest.skip("indexed views exist from TorchRL 0.14 on")  # machine skip: 0.10.1 has none
+    assert _missing(started_sources, release) == []
+    assert _missing(_without(started_sources, row), release) == [str(row)]
+
+
+#: TorchRL's own private names, as the inventory declares them (the commands are plain words;
+#: the hooks are the methods ``ManagedParallelEnv`` overrides, by definition named there).
+_DECLARED = {row.name.rpartition(".")[2] for row in _compat.INVENTORY if row.kind not in ("command", "hook")}
+
+
+def _foreign_uses(path: Path) -> list[str]:
+    """Uses of a declared TorchRL name in ``path`` outside ``_compat``: a string naming it (an
+    instance-dict key, a kwarg, ``getattr``), or an attribute of that name read on anything but
+    ``self`` of a class of ours that is not a TorchRL env."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for cls in [tree, *[n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]]:
+        env_class = isinstance(cls, ast.ClassDef) and any(
+            isinstance(base, ast.Name) and base.id.endswith("ParallelEnv") for base in cls.bases
+        )
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Constant) and node.value in _DECLARED and id(node) not in docstrings:
+                found.append(f"{path.name}:{node.lineno}: {node.value!r}")
+            elif isinstance(node, ast.Attribute) and node.attr in _DECLARED:
+                on_self = isinstance(node.value, ast.Name) and node.value.id == "self"
+                if not on_self or env_class:
+                    found.append(f"{path.name}:{node.lineno}: .{node.attr}")
+    return sorted(set(found))
+
+
+@pytest.mark.compat
+def test_no_module_but_compat_names_a_torchrl_private() -> None:
+    """The inventory is complete only if nothing reaches TorchRL's internals around it."""
+    package = Path(_compat.__file__).parent
+    uses = [
+        use
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "_compat.py"
+        for use in _foreign_uses(path)
+    ]
+    assert not uses, f"TorchRL private names used outside _compat (declare and reach them there): {uses}"
+
+
+@pytest.mark.compat
+def test_the_release_is_read_from_the_installed_module() -> None:
+    """``torchrl.__version__`` first, then the ``torchrl`` or ``torchrl-nightly`` metadata."""
+    release = _compat.torchrl_release()
+    assert release >= (0, 10), release
+    assert (release >= (0, 11)) == _compat.HAS_DAEMON_KWARG
 
 
 @pytest.mark.compat

@@ -158,7 +158,7 @@ PER_START_KWARGS = tuple(
 #: Worker kwargs our worker entry reads or wraps, by role.
 WORKER_KWARGS = {
     "env_kwargs": _declare("worker_kwarg", "env_fun_kwargs", "the factory's kwargs; carries our config"),
-    "child_pipe": PER_START_KWARGS[1],
+    "pipe": PER_START_KWARGS[1],
     "done_flags": _declare("worker_kwarg", "shm_done_flags", "wrapped to wake the sleeping parent", (0, 11)),
 }
 
@@ -204,21 +204,20 @@ class Upstream:
 
     __slots__ = ("env",)
 
-    create_env_kwargs: _Attr[list[Any]] = _Attr("create_env_kwargs", "per-worker kwargs; carry our config")
+    env_kwargs: _Attr[list[Any]] = _Attr("create_env_kwargs", "per-worker kwargs; carry our config")
     workers: _Attr[Any] = _Attr("_workers", "the worker processes; become our SupervisedWorkers list")
     channels: _Attr[list[Any]] = _Attr("parent_channels", "the command pipes; wrapped by the supervisor")
     mp_start_method: _Attr[str | None] = _Attr("_mp_start_method", "the start method asked for")
     use_buffers: _Attr[bool] = _Attr("_use_buffers", "shared-buffer mode (restarts and our wait need it)")
     non_tensor_keys: _Attr[list[Any]] = _Attr("_non_tensor_keys", "restarts refuse non-tensor specs")
     events: _Attr[list[Any] | None] = _Attr("_events", "per-worker done events (TorchRL 0.10)")
-    cuda_events: _Attr[Any] = _Attr("_cuda_events", "cleared on close")
-    event: _Attr[Any] = _Attr("event", "the env's own event; cleared on close")
+    step_event: _Attr[Any] = _Attr("event", "the env's CUDA event; cleared on close")
     done_flags: _Attr[Any] = _Attr("_shm_done_flags", "the shared done flags our wait reads", (0, 11))
     slot_buffers: _Attr[list[Any]] = _Attr("shared_tensordicts", "each slot's shared buffer (marks)")
     parent_buffer: _Attr[Any] = _Attr("shared_tensordict_parent", "the stacked buffer (root marks)")
     obs_keys: _Attr[list[Any]] = _Attr("_env_obs_keys", "observation keys a mark copies")
     buffer_template: _Attr[Any] = _Attr("_env_tensordict", "shared-buffer template; gains restart keys")
-    is_closed: _Attr[bool] = _Attr("is_closed", "whether the workers are gone")
+    closed: _Attr[bool] = _Attr("is_closed", "whether the workers are gone")
     parent_env: _Attr[Any] = _Attr("_parent_env", "the owner of an indexed view", (0, 14), kind="view")
     worker_indices: _Attr[Sequence[int] | None] = _Attr(
         "_worker_indices", "the owner's worker slots of a view", (0, 14), kind="view"

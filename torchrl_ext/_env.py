@@ -110,8 +110,6 @@ class ManagedParallelEnv(ParallelEnv):
         True
     """
 
-    is_closed: bool
-
     def __init__(
         self,
         num_workers: int,
@@ -368,9 +366,8 @@ class ManagedParallelEnv(ParallelEnv):
             # Empty lists, not deleted attributes: ParallelEnv.__getattr__ restarts workers.
             upstream.workers = SupervisedWorkers([], no_faults)
             upstream.channels = []
-            upstream.cuda_events = None
             upstream.events = None
-            upstream.event = None
+            upstream.step_event = None
             state.engine.forget()
             state.plan = None
             _lifecycle.unregister(self)
@@ -390,7 +387,7 @@ class ManagedParallelEnv(ParallelEnv):
         state = self._state
         if state.closing:
             return
-        if self.is_closed:
+        if Upstream(self).closed:
             if raise_if_closed:
                 super().close(raise_if_closed=True)  # upstream's own error
             return
@@ -402,7 +399,7 @@ class ManagedParallelEnv(ParallelEnv):
                 self._shutdown_workers()
             state.closing = False
             state.close_reason = "close"
-            self.is_closed = True
+            Upstream(self).closed = True
 
     def __enter__(self) -> ManagedParallelEnv:
         return self
@@ -420,6 +417,6 @@ class ManagedParallelEnv(ParallelEnv):
                 self.close(raise_if_closed=False)
             return
         state: EnvState | None = self.__dict__.get("_trx")
-        if state is not None and state.supervisor is not None and not self.__dict__.get("is_closed", True):
+        if state is not None and state.supervisor is not None and Upstream(self).closed is False:
             with contextlib.suppress(Exception):
                 self._close_for("garbage collection")

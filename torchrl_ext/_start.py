@@ -208,8 +208,8 @@ def start_workers(env: Any, state: EnvState, start_upstream: Callable[[], None])
         if server is not None:  # the reaper kills it too if this process dies
             _reaper_client.notify_watch(fifo, server[0], server[1], server[0])
     # Our config travels next to each worker's kwargs, not around its factory: see _compat.
-    user_kwargs = upstream.create_env_kwargs
-    upstream.create_env_kwargs = [
+    user_kwargs = upstream.env_kwargs
+    upstream.env_kwargs = [
         ConfiguredKwargs(
             kwargs,
             WorkerConfig(
@@ -249,7 +249,7 @@ def start_workers(env: Any, state: EnvState, start_upstream: Callable[[], None])
             raise
         raise_failure(failure)
     finally:
-        upstream.create_env_kwargs = user_kwargs
+        upstream.env_kwargs = user_kwargs
     supervisor.restartable = engine.on
     upstream.channels = supervisor.attach(processes, upstream.channels)
     upstream.workers = SupervisedWorkers(processes, supervisor.check)
@@ -295,7 +295,7 @@ def abort_start(
                 channel.close()
         upstream.workers = SupervisedWorkers([], no_faults)
         upstream.channels = []
-        upstream.is_closed = True
+        upstream.closed = True
         _lifecycle.unregister(env)
         _reaper_client.release()
     return failure

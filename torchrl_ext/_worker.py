@@ -149,16 +149,19 @@ def end_own_descendants() -> None:
 
 def run_managed(original: Callable[..., Any], config: WorkerConfig, kwargs: dict[str, Any]) -> None:
     """Prepare this worker process, then run TorchRL's worker loop ``original`` in it."""
-    prepare_process(config)
-    if config.done_fifo and kwargs.get("shm_done_flags") is not None:
-        # TorchRL >= 0.11 reports "done" through shared flags; wake the sleeping main process too.
-        kwargs["shm_done_flags"] = NotifyingFlags(kwargs["shm_done_flags"], config.done_fifo)
-    recorder = _CommandRecorder(kwargs["child_pipe"])
-    kwargs["child_pipe"] = recorder
     from torchrl.envs import batched_envs
 
-    if getattr(batched_envs, "gc", None) is gc:  # this process runs only this worker's loop
-        batched_envs.gc = _GCSkippedAfterClose(recorder)
+    from ._compat import GC_NAME, WORKER_KWARGS  # _compat imports this module
+
+    prepare_process(config)
+    flags_key, pipe_key = WORKER_KWARGS["done_flags"], WORKER_KWARGS["pipe"]
+    if config.done_fifo and kwargs.get(flags_key) is not None:
+        # TorchRL >= 0.11 reports "done" through shared flags; wake the sleeping main process too.
+        kwargs[flags_key] = NotifyingFlags(kwargs[flags_key], config.done_fifo)
+    recorder = _CommandRecorder(kwargs[pipe_key])
+    kwargs[pipe_key] = recorder
+    if getattr(batched_envs, GC_NAME, None) is gc:  # this process runs only this worker's loop
+        setattr(batched_envs, GC_NAME, _GCSkippedAfterClose(recorder))
     try:
         original(**kwargs)
     except BaseException as exc:
