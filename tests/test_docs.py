@@ -433,16 +433,16 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
 
 def test_documented_shutdown_order_matches_the_constants() -> None:
     """NOTE [shutdown order]: every percentage quoted next to the escalation is a constant's."""
-    from torchrl_ext import _lifecycle
+    from torchrl_ext import _shutdown
 
-    close_pct = round(100 * _lifecycle.CLOSE_MESSAGE_SHARE)
-    term_pct = round(100 * _lifecycle.SIGTERM_SHARE)
-    kill_pct = round(100 * _lifecycle.SIGKILL_SHARE)
+    close_pct = round(100 * _shutdown.CLOSE_MESSAGE_SHARE)
+    term_pct = round(100 * _shutdown.SIGTERM_SHARE)
+    kill_pct = round(100 * _shutdown.SIGKILL_SHARE)
     allowed = {close_pct, term_pct, kill_pct, 100}
     sources = {
         path.name: path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     }
-    sources["_lifecycle.py"] = _lifecycle.__doc__ or ""
+    sources["_shutdown.py"] = _shutdown.__doc__ or ""
     quoted = 0
     for name, text in sources.items():
         for line in text.splitlines():
