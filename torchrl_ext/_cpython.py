@@ -81,7 +81,7 @@ class Internal:
     class) or ``"source"`` (a function whose source shows ``markers``; callables may have them).
     ``uses`` (default: from the name) is what a use looks like to the scan in the test:
     ``"pkg.mod.name"`` a dotted reference, ``"._attr"`` an attribute (or a string or keyword
-    naming it), ``"'text'"`` a string literal containing ``text``."""
+    naming it), ``"'text'"`` the string literal ``text``."""
 
     module: str
     name: str
