@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import multiprocessing
 import os
 import resource
 import shutil
@@ -30,6 +31,7 @@ NAMES = [
     "/dev/shm",
     "ulimit -n",
     "start method",
+    "preloaded start",
     "TorchRL",
     "torch",
     "Ray",
@@ -297,6 +299,54 @@ def test_start_method_and_ray_checks_are_informational() -> None:
     assert default.ok and "Ray's default: on" in default.detail
     off = _doctor.check_ray(True, {var: "false"})
     assert off.ok and "leaves a killed actor's children alone" in off.detail
+
+
+def test_preloaded_start_check_says_whether_and_why_not() -> None:
+    """The rule ``ManagedParallelEnv.__init__`` applies, case by case (always informational)."""
+    applies = _doctor.check_preloaded_start(has_forkserver=True, chosen_method=None, daemonic_default=False)
+    assert applies.ok and applies.detail.startswith("applies:") and not applies.hint
+    cases = [
+        ({"has_forkserver": False, "chosen_method": None, "daemonic_default": False}, "no forkserver", ""),
+        ({"has_forkserver": True, "chosen_method": "fork", "daemonic_default": False}, "'fork'", "unset"),
+        (
+            {"has_forkserver": True, "chosen_method": None, "daemonic_default": True},
+            "daemonic",
+            "daemon_workers=False",
+        ),
+    ]
+    for kwargs, why, hint in cases:
+        check = _doctor.check_preloaded_start(**kwargs)  # type: ignore[arg-type]
+        assert check.ok and check.detail.startswith("does not apply by default:"), check
+        assert why in check.detail and hint in check.hint, check
+    # No forkserver outranks the other reasons, a chosen method outranks daemonic workers.
+    assert (
+        "no forkserver"
+        in _doctor.check_preloaded_start(
+            has_forkserver=False, chosen_method="spawn", daemonic_default=True
+        ).detail
+    )
+    assert (
+        "'spawn'"
+        in _doctor.check_preloaded_start(
+            has_forkserver=True, chosen_method="spawn", daemonic_default=True
+        ).detail
+    )
+
+
+@pytest.mark.compat
+def test_preloaded_start_check_follows_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a running program: what the installed TorchRL and the program's own choice say."""
+    from torchrl_ext import _compat, _forkserver
+
+    def preloaded() -> Check:
+        return {c.name: c for c in _doctor.run_checks(orphan_test=False)}["preloaded start"]
+
+    monkeypatch.setattr(_forkserver, "start_method_chosen_by_user", lambda: False)
+    check = preloaded()
+    assert check.detail.startswith("does not apply" if _compat.UPSTREAM_DEFAULTS["daemon"] else "applies:")
+    monkeypatch.setattr(_forkserver, "start_method_chosen_by_user", lambda: True)
+    current = str(multiprocessing.get_start_method(allow_none=True))
+    assert f"global start method {current!r}" in preloaded().detail
 
 
 def test_exit_code_and_verdict() -> None:

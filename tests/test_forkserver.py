@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import multiprocessing
 import os
+import select
 import signal
+import socket
+import threading
 from pathlib import Path
 
 import psutil
@@ -17,7 +21,7 @@ import torch
 from tests.conftest import Scenario, pid_alive, start_kwargs
 from tests.envs import START_METHOD_CODES, make_env, make_probe_env
 from tests.polling import wait_until
-from torchrl_ext import ManagedParallelEnv, WorkerDiedError, _forkserver
+from torchrl_ext import ManagedParallelEnv, WorkerDiedError, _cpython, _forkserver
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -164,3 +168,113 @@ def test_unguarded_script_gets_the_main_guard_hint(scenario: Scenario) -> None:
     assert result.returncode == 1, result.stderr
     assert "PreloadError" in result.stderr and 'if __name__ == "__main__":' in result.stderr, result.stderr
     assert not result.leaked
+
+
+# --------------------------------------------------------------------------- NOTE [authenticated server]
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end closed ``sock`` (what it sent before is read and dropped)."""
+    try:
+        while True:
+            if not sock.recv(4096, socket.MSG_DONTWAIT):
+                return True
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_unauthenticated_connections_fork_nothing_and_the_server_serves_on() -> None:
+    """A client that sends a fork request without answering the challenge, and one that
+    answers with a wrong key, get no process; the same server then forks real workers."""
+    fn = functools.partial(make_env)
+    env = ManagedParallelEnv(1, fn, daemon_workers=False)
+    assert env.start_method == "preloaded"
+    try:
+        env.reset()
+        key = _forkserver.server_key()
+        address = _forkserver._SERVER.address
+        assert key is not None and address is not None
+        server = psutil.Process(key[0])
+        children = {c.pid for c in server.children()}
+        # CPython's own client: the fds at once, no answer to the challenge.
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(address)
+            alive_r, alive_w = os.pipe()
+            try:
+                status_r, data_w = _cpython.request_fork(client, alive_r, [])
+            finally:
+                os.close(alive_r)
+                os.close(alive_w)
+            client.shutdown(socket.SHUT_WR)
+            try:
+                wait_until(lambda: _closed_by_peer(client), "the server closed the connection")
+                wait_until(lambda: select.select([status_r], [], [], 0)[0], "the request's pipe ended")
+                assert os.read(status_r, 8) == b"", "the server sent a pid: it forked a process"
+            finally:
+                os.close(status_r)
+                os.close(data_w)
+        # A wrong key.
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(address)
+            with pytest.raises(multiprocessing.AuthenticationError, match="refused"):
+                _forkserver._authenticate(client, os.urandom(32))
+        assert {c.pid for c in server.children()} == children, "no process was forked"
+        other = ManagedParallelEnv(2, fn, daemon_workers=False)
+        try:
+            assert other.reset()["observation"].shape == (2, 4)
+            assert _forkserver.server_key() == key, "the same server goes on serving"
+            for pid in other.worker_pids:
+                assert psutil.Process(pid).ppid() == server.pid
+        finally:
+            other.close(raise_if_closed=False)
+    finally:
+        env.close(raise_if_closed=False)
+
+
+def test_the_server_key_is_neither_on_its_command_line_nor_in_its_environment() -> None:
+    env = ManagedParallelEnv(1, functools.partial(make_env), daemon_workers=False)
+    assert env.start_method == "preloaded"
+    try:
+        env.reset()
+        key, server = _forkserver._SERVER._authkey, _forkserver.server_key()
+        assert key is not None and len(key) == 32 and server is not None
+        for name in ("cmdline", "environ"):
+            shown = Path(f"/proc/{server[0]}/{name}").read_bytes()
+            assert shown, f"/proc/<pid>/{name} is readable"
+            for form in (key, key.hex().encode(), key.hex().upper().encode(), repr(key).encode()):
+                assert form not in shown, f"the server's key shows in its /proc/<pid>/{name}"
+    finally:
+        env.close(raise_if_closed=False)
+
+
+def test_the_challenge_admits_the_key_only_and_logs_a_refusal(caplog: pytest.LogCaptureFixture) -> None:
+    """Both ends of the handshake, in this process (the server's log goes nowhere by default)."""
+    caplog.set_level(logging.DEBUG, logger="torchrl_ext")
+    key = os.urandom(32)
+    for client_key, admitted in ((key, True), (os.urandom(32), False), (None, False)):
+        ours, theirs = socket.socketpair()
+        errors: list[BaseException] = []
+
+        def client(sock: socket.socket = theirs, k: bytes | None = client_key, out: list = errors) -> None:
+            try:
+                if k is None:
+                    sock.close()  # connects and leaves without a word
+                else:
+                    _forkserver._authenticate(sock, k)
+            except BaseException as exc:
+                out.append(exc)
+
+        thread = threading.Thread(target=client)
+        thread.start()
+        try:
+            assert _forkserver._admit(ours, key) is admitted
+        finally:
+            ours.close()  # as the server's listener closes a refused connection
+            thread.join(30)
+            theirs.close()
+        assert not thread.is_alive()
+        if client_key is not None:
+            assert bool(errors) is not admitted, errors
+            assert all(isinstance(e, multiprocessing.AuthenticationError) for e in errors), errors
+    refusals = [r for r in caplog.records if "failed to authenticate" in r.getMessage()]
+    assert len(refusals) == 2 and all(r.levelno == logging.DEBUG for r in refusals)

@@ -114,48 +114,50 @@ def _unavailable_hint(feature: str, linux_fix: str) -> str:
     return linux_fix
 
 
+def _capability(name: str, available: bool, works: str, lost: str, fix: tuple[str, str]) -> Check:
+    """``ok`` with ``works``, or ``missing`` with ``lost`` and the hint for ``fix``
+    (``(feature, what to do on Linux)``)."""
+    if available:
+        return Check(name, "ok", works)
+    return Check(name, "missing", lost, _unavailable_hint(*fix))
+
+
 def check_pidfd(available: bool) -> Check:
     """Whether ``os.pidfd_open`` works (Linux >= 5.3)."""
-    if available:
-        return Check(
-            "pidfd", "ok", "os.pidfd_open works: worker deaths and the main process's death are seen at once"
-        )
-    return Check(
+    return _capability(
         "pidfd",
-        "missing",
+        available,
+        "os.pidfd_open works: worker deaths and the main process's death are seen at once",
         "no os.pidfd_open: the supervisor also polls each worker every 0.1 s, the reaper polls the "
         "main process every 50 ms, exit codes come from multiprocessing only",
-        _unavailable_hint("pidfd", "needs Linux >= 5.3 and a seccomp profile that allows pidfd_open"),
+        ("pidfd", "needs Linux >= 5.3 and a seccomp profile that allows pidfd_open"),
     )
+
+
+_PRCTL_FIX = ("prctl", "allow prctl in the container's seccomp profile")
 
 
 def check_parent_death_signal(available: bool) -> Check:
     """Whether ``prctl(PR_SET_PDEATHSIG)`` works."""
-    name = "PR_SET_PDEATHSIG"
-    if available:
-        return Check(name, "ok", "workers die by themselves the moment the main process dies")
-    return Check(
-        name,
-        "missing",
+    return _capability(
+        "PR_SET_PDEATHSIG",
+        available,
+        "workers die by themselves the moment the main process dies",
         "workers do not die with the main process by themselves: the external reaper kills them, "
         "or they exit when their pipe closes (after the current step)",
-        _unavailable_hint("prctl", "allow prctl in the container's seccomp profile"),
+        _PRCTL_FIX,
     )
 
 
 def check_child_subreaper(available: bool) -> Check:
     """Whether ``prctl(PR_SET_CHILD_SUBREAPER)`` works (Linux >= 3.4)."""
-    name = "PR_SET_CHILD_SUBREAPER"
-    if available:
-        return Check(
-            name, "ok", "orphans of a dead worker come to the main process, which kills and reaps them"
-        )
-    return Check(
-        name,
-        "missing",
+    return _capability(
+        "PR_SET_CHILD_SUBREAPER",
+        available,
+        "orphans of a dead worker come to the main process, which kills and reaps them",
         "orphans of a dead worker go to PID 1: they are still killed (process group, snapshots, "
         "tag), but reaping them is up to PID 1",
-        _unavailable_hint("prctl", "allow prctl in the container's seccomp profile"),
+        _PRCTL_FIX,
     )
 
 
@@ -301,6 +303,38 @@ def check_start_method(current: str | None, torchrl_default: str | None) -> Chec
     )
 
 
+def check_preloaded_start(
+    *, has_forkserver: bool, chosen_method: str | None, daemonic_default: bool
+) -> Check:
+    """Whether ``ManagedParallelEnv(n, fn)`` forks its workers from the preloaded fork server
+    here (the fast default start, docs/design.md), and why not (informational: always ok).
+
+    ``chosen_method``: a global start method the program chose itself (``None``: none, or only
+    TorchRL's own); ``daemonic_default``: this TorchRL makes workers daemonic unless told.
+
+    Example:
+        >>> check_preloaded_start(has_forkserver=True, chosen_method=None, daemonic_default=False).detail
+        'applies: workers are forks of a preloaded, supervised fork server (no mp_start_method given)'
+    """
+    name = "preloaded start"
+    if not has_forkserver:
+        why, hint = "this platform has no forkserver start method", ""
+    elif chosen_method is not None:
+        why = f"the program chose the global start method {chosen_method!r} (mp.set_start_method)"
+        hint = "leave the global start method unset to get the preloaded server"
+    elif daemonic_default:
+        why = "this TorchRL's workers are daemonic by default (they may not have children)"
+        hint = "pass daemon_workers=False"
+    else:
+        detail = (
+            "applies: workers are forks of a preloaded, supervised fork server (no mp_start_method given)"
+        )
+        return Check(name, "ok", detail)
+    return Check(
+        name, "ok", f"does not apply by default: {why}; workers start by TorchRL's start method", hint
+    )
+
+
 def _api_generation(has_daemon: bool, has_shutdown_timeout: bool) -> str:
     if has_shutdown_timeout:
         return "0.13+"
@@ -405,6 +439,7 @@ def run_checks(*, orphan_test: bool = True, orphan_timeout: float = 5.0) -> list
     import torch
 
     from . import _compat
+    from ._forkserver import start_method_chosen_by_user
 
     probe = _platform.probe_orphan_reaping(orphan_timeout) if orphan_test else None
     _log.debug("orphan probe: %s", probe)
@@ -422,6 +457,13 @@ def run_checks(*, orphan_test: bool = True, orphan_timeout: float = 5.0) -> list
         check_open_files(_platform.open_files_limit()),
         check_start_method(
             multiprocessing.get_start_method(allow_none=True), _torchrl_default_start_method()
+        ),
+        check_preloaded_start(
+            has_forkserver="forkserver" in multiprocessing.get_all_start_methods(),
+            chosen_method=(
+                multiprocessing.get_start_method(allow_none=True) if start_method_chosen_by_user() else None
+            ),
+            daemonic_default=bool(_compat.UPSTREAM_DEFAULTS["daemon"]),
         ),
         check_torchrl(
             torchrl_version,

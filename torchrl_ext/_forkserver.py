@@ -33,19 +33,13 @@ this one is separate, so a user's own forkserver (and its preload list) is untou
 from __future__ import annotations
 
 import contextlib
+import functools
+import hmac
 import importlib
-import io
 import json
 import logging
 import multiprocessing
-import multiprocessing.connection
 import multiprocessing.context
-import multiprocessing.forkserver
-import multiprocessing.popen_forkserver
-import multiprocessing.process
-import multiprocessing.resource_tracker
-import multiprocessing.spawn
-import multiprocessing.util
 import os
 import pickle
 import select
@@ -61,7 +55,7 @@ from typing import Any
 
 import psutil
 
-from . import _identity, _platform
+from . import _cpython, _identity, _platform
 from ._errors import PreloadError, format_exitcode
 from ._tag import Tag
 
@@ -84,6 +78,11 @@ PRELOAD_TIMEOUT = 300.0
 STOP_WAIT = 2.0
 #: Env id suffix of the server's tag.
 TAG_SUFFIX = "forkserver"
+#: Seconds a connection to the server may take to answer its challenge before it is refused.
+AUTH_TIMEOUT = 10.0
+_CHALLENGE = b"torchrl_ext fork server v1 "  # then a random nonce
+_NONCE_BYTES = 32
+_WELCOME = b"welcome"
 
 # TorchRL sets the global start method to spawn when it is imported and none was set. What was
 # set before TorchRL's import tells a user's choice apart from TorchRL's (see
@@ -131,24 +130,18 @@ _NOT_SERVER_PREP = ("name", "authkey", "init_main_from_name", "init_main_from_pa
 
 
 def _prepare_as_spawn(prep: dict[str, Any]) -> None:
-    """Set up the server as ``multiprocessing.spawn.prepare`` sets up a spawned child before
-    it runs the main module: ``sys.argv``, the working directory, ``sys.path``, the original
-    directory, the log level and the start method (NOTE [preloaded fork server])."""
-    multiprocessing.spawn.prepare({k: v for k, v in prep.items() if k not in _NOT_SERVER_PREP})
+    """Set up the server as spawn sets up a spawned child before it runs the main module:
+    ``sys.argv``, the working directory, ``sys.path``, the original directory, the log level
+    and the start method (NOTE [preloaded fork server])."""
+    _cpython.prepare({k: v for k, v in prep.items() if k not in _NOT_SERVER_PREP})
 
 
 def _import_main(prep: dict[str, Any]) -> None:
     """Import the owner's main module as spawn would: by name for ``python -m``, else by path,
     as ``__mp_main__`` (``__name__ != "__main__"``, so the script's guard holds)."""
     main: dict[str, Any] = {k: prep[k] for k in ("init_main_from_name", "init_main_from_path") if k in prep}
-    if not main:
-        return
-    current = multiprocessing.process.current_process()
-    current._inheriting = True  # type: ignore[attr-defined]
-    try:
-        multiprocessing.spawn.prepare(main)
-    finally:
-        del current._inheriting  # type: ignore[attr-defined]
+    if main:
+        _cpython.import_main_as_spawn(main)
 
 
 def _preload(modules: Sequence[str], prep: dict[str, Any]) -> None:
@@ -173,17 +166,80 @@ class _PreloadFailed(Exception):
         self.text = "".join(traceback.format_exception(exc))
 
 
+# --------------------------------------------------------------------------- NOTE [authenticated server]
+# Anyone who can connect to a fork server's socket gets a process forked from it. The socket
+# is private (a 0600 file or an abstract address), and on top of that, as CPython 3.14's own
+# fork server does, every connection must answer a challenge before the server reads any fd
+# or request from it: the server sends a random nonce, the client returns HMAC-SHA256 of it
+# under the server's key, a random 32 bytes made per server and passed to it over its setup
+# pipe (never on its command line or in its environment). A wrong or missing answer (or none
+# within AUTH_TIMEOUT) closes the connection, logged at debug level, and the server goes on.
+def _digest(key: bytes, nonce: bytes) -> bytes:
+    return hmac.new(key, _CHALLENGE + nonce, "sha256").digest()
+
+
+def _receive(conn: socket.socket, size: int) -> bytes:
+    """Up to ``size`` bytes; fewer only at EOF."""
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _admit(conn: socket.socket, key: bytes) -> bool:
+    """Server side of NOTE [authenticated server]: whether ``conn`` knows ``key``."""
+    nonce = os.urandom(_NONCE_BYTES)
+    conn.settimeout(AUTH_TIMEOUT)
+    try:
+        conn.sendall(_CHALLENGE + nonce)
+        answer = _receive(conn, len(_digest(key, nonce)))
+        admitted = hmac.compare_digest(answer, _digest(key, nonce))
+        if admitted:
+            conn.sendall(_WELCOME)
+    except OSError as exc:
+        log.debug("fork server: refused a connection that failed to authenticate (%s)", exc)
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            conn.settimeout(None)
+    if not admitted:
+        log.debug("fork server: refused a connection that failed to authenticate (wrong answer)")
+    return admitted
+
+
+def _authenticate(conn: socket.socket, key: bytes) -> None:
+    """Client side of NOTE [authenticated server].
+
+    Raises:
+        multiprocessing.AuthenticationError: the server refused ``key`` or spoke no challenge.
+    """
+    conn.settimeout(AUTH_TIMEOUT)
+    try:
+        hello = _receive(conn, len(_CHALLENGE) + _NONCE_BYTES)
+        if not hello.startswith(_CHALLENGE) or len(hello) != len(_CHALLENGE) + _NONCE_BYTES:
+            raise multiprocessing.AuthenticationError("the fork server sent no challenge")
+        conn.sendall(_digest(key, hello[len(_CHALLENGE) :]))
+        if _receive(conn, len(_WELCOME)) != _WELCOME:
+            raise multiprocessing.AuthenticationError("the fork server refused our key")
+    finally:
+        conn.settimeout(None)
+
+
 def serve(
     listener_fd: int, alive_r: int, status_w: int, setup_r: int, owner_pid: int, arm_pdeathsig: bool
 ) -> None:
     """Entry point of the server process (see NOTE [preloaded fork server]). ``setup_r``
-    carries the modules to preload and the owner's spawn preparation data (pickled)."""
+    carries the modules to preload, the owner's spawn preparation data and the key
+    connections must prove they know (NOTE [authenticated server]), pickled."""
     global _server_pid
     if arm_pdeathsig and _platform.set_parent_death_signal(signal.SIGKILL) and os.getppid() != owner_pid:
         os._exit(1)  # the owner died before the signal was armed
     _server_pid = os.getpid()
     with open(setup_r, "rb", closefd=True) as setup:
-        modules, prep = pickle.load(setup)
+        modules, prep, key = pickle.load(setup)
     try:
         _preload(modules, prep)
     except _PreloadFailed as failed:
@@ -194,7 +250,7 @@ def serve(
     os.write(status_w, b'{"ok": true}')
     os.close(status_w)
     try:
-        multiprocessing.forkserver.main(listener_fd, alive_r, [])
+        _cpython.serve_forkserver(listener_fd, alive_r, functools.partial(_admit, key=key))
     finally:
         # Its owner let go (the "alive" pipe reached EOF): leave without the interpreter's
         # teardown, which takes seconds with torch loaded; nothing here needs finalizing.
@@ -204,16 +260,18 @@ def serve(
 
 
 # --------------------------------------------------------------------------- in the owner
-class _Server(multiprocessing.forkserver.ForkServer):
-    """``multiprocessing``'s fork server, launched our way (tag, group, preload report)."""
+class _Server:
+    """``multiprocessing``'s fork-server loop, launched our way (tag, group, preload report,
+    authenticated connections)."""
 
     def __init__(self) -> None:
-        super().__init__()
         self._server_lock = threading.RLock()
-        self._preload_modules: list[str] = []
         self._wanted: list[str] = list(BASE_PRELOAD)
         self._proc: subprocess.Popen[bytes] | None = None
         self.key: _identity.ProcessKey | None = None
+        self.address: str | None = None
+        self._alive_fd: int | None = None
+        self._authkey: bytes | None = None
 
     def want(self, modules: Iterable[str]) -> None:
         """Add modules to preload at the next launch (a running server keeps its own)."""
@@ -224,7 +282,7 @@ class _Server(multiprocessing.forkserver.ForkServer):
 
     def ensure_running(self) -> None:
         with self._server_lock:
-            multiprocessing.resource_tracker.ensure_running()
+            _cpython.ensure_resource_tracker()
             if self._proc is not None:
                 if self._proc.poll() is None:
                     return
@@ -234,27 +292,36 @@ class _Server(multiprocessing.forkserver.ForkServer):
                     self._proc.returncode,
                 )
                 self._forget()
-            self._launch()
+            self._start_server()
 
-    def _launch(self) -> None:
+    def connect_to_new_process(self, fds: Sequence[int]) -> tuple[int, int]:
+        """Ask the server (started if needed) for a child inheriting ``fds``; returns
+        ``(status_r, data_w)`` (see ``_cpython.request_fork``)."""
+        with self._server_lock:
+            self.ensure_running()
+            address, alive_fd, key = self.address, self._alive_fd, self._authkey
+        assert address is not None and alive_fd is not None and key is not None
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(address)
+            _authenticate(client, key)
+            return _cpython.request_fork(client, alive_fd, fds)
+
+    def _start_server(self) -> None:
         modules = ["__main__", *self._wanted]
         # What spawn would set up in a child before it runs the main module (argv, cwd, sys.path,
         # the main module by path or by name); the server does the same before its preload.
-        prep = {
-            k: v
-            for k, v in multiprocessing.spawn.get_preparation_data("ignore").items()
-            if k not in ("name", "authkey")
-        }
+        prep = {k: v for k, v in _cpython.preparation_data("ignore").items() if k not in ("name", "authkey")}
         owner_pid, owner_ctime = _identity.me()
         tag = Tag(owner_pid, owner_ctime, f"{owner_pid}.{TAG_SUFFIX}")
         env = dict(os.environ)
         env[_identity.OWNER_VAR] = str(tag)
         env[_identity.WORKER_VAR] = TAG_SUFFIX
         arm = _platform.parent_death_outlives_worker(None)  # the server is this thread's child
+        key = os.urandom(32)  # NOTE [authenticated server]: over the setup pipe only
         with socket.socket(socket.AF_UNIX) as listener:
-            address = multiprocessing.connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+            address = _cpython.new_unix_address()
             listener.bind(address)
-            if not multiprocessing.util.is_abstract_socket_namespace(address):
+            if not _cpython.is_abstract_address(address):
                 os.chmod(address, 0o600)
             listener.listen()
             alive_r, alive_w = os.pipe()
@@ -262,10 +329,10 @@ class _Server(multiprocessing.forkserver.ForkServer):
             setup_r, setup_w = os.pipe()
             args = (listener.fileno(), alive_r, status_w, setup_r, owner_pid, arm)
             code = f"from torchrl_ext._forkserver import serve; serve(*{args!r})"
-            exe = multiprocessing.spawn.get_executable()
+            exe = _cpython.executable()
             try:
                 proc = subprocess.Popen(
-                    [exe, *subprocess._args_from_interpreter_flags(), "-c", code],  # type: ignore[attr-defined]
+                    [exe, *_cpython.interpreter_flags(), "-c", code],
                     pass_fds=(listener.fileno(), alive_r, status_w, setup_r),
                     stdin=subprocess.DEVNULL,
                     env=env,
@@ -282,7 +349,7 @@ class _Server(multiprocessing.forkserver.ForkServer):
                 os.close(setup_r)
             # A server that dies before reading this is reported by _await_preload.
             with contextlib.suppress(OSError), open(setup_w, "wb", closefd=True) as setup:
-                pickle.dump((modules, prep), setup)
+                pickle.dump((modules, prep, key), setup)
         try:
             self._await_preload(proc, status_r, modules)
         except BaseException:
@@ -295,7 +362,7 @@ class _Server(multiprocessing.forkserver.ForkServer):
             os.close(status_r)
         self._proc = proc
         self.key = (proc.pid, psutil.Process(proc.pid).create_time())
-        self._endpoint(address, alive_w, proc.pid)
+        self.address, self._alive_fd, self._authkey = address, alive_w, key
         log.debug("preloaded fork server pid %d ready (%s)", proc.pid, ", ".join(modules))
 
     @staticmethod
@@ -348,17 +415,13 @@ class _Server(multiprocessing.forkserver.ForkServer):
         )
 
     def _forget(self) -> None:
-        alive_fd = self.__dict__.get("_forkserver_alive_fd")
-        if alive_fd is not None:
+        if self._alive_fd is not None:
             with contextlib.suppress(OSError):
-                os.close(alive_fd)
-        address = self.__dict__.get("_forkserver_address")
-        if address and not multiprocessing.util.is_abstract_socket_namespace(address):
+                os.close(self._alive_fd)
+        if self.address and not _cpython.is_abstract_address(self.address):
             with contextlib.suppress(OSError):
-                os.unlink(address)
-        self._endpoint(None, None, None)
-        self._proc = None
-        self.key = None
+                os.unlink(self.address)
+        self.in_child()
 
     def stop(self, wait: float = STOP_WAIT) -> None:
         with self._server_lock:
@@ -378,11 +441,7 @@ class _Server(multiprocessing.forkserver.ForkServer):
         """A forked copy of the owner does not own the server."""
         self._proc = None
         self.key = None
-        self._endpoint(None, None, None)
-
-    def _endpoint(self, address: Any, alive_fd: int | None, pid: int | None) -> None:
-        """What the base class's ``connect_to_new_process`` uses."""
-        self.__dict__.update(_forkserver_address=address, _forkserver_alive_fd=alive_fd, _forkserver_pid=pid)
+        self.address = self._alive_fd = self._authkey = None
 
 
 def _complete(data: bytes) -> bool:
@@ -397,64 +456,11 @@ _SERVER = _Server()
 os.register_at_fork(after_in_child=_SERVER.in_child)
 
 
-class _Popen(multiprocessing.popen_forkserver.Popen):
-    """A child forked by our server. Its exit status is read under a lock: two threads reading
-    it at once (the supervisor's and the main thread's) would make one of them see EOF and
-    record 255 (``multiprocessing``'s own forkserver ``Popen`` has that race)."""
-
-    def __init__(self, process_obj: Any) -> None:
-        self._status_lock = threading.Lock()
-        super().__init__(process_obj)
-
-    def _launch(self, process_obj: Any) -> None:
-        data = io.BytesIO()
-        prep = multiprocessing.spawn.get_preparation_data(process_obj._name)
-        multiprocessing.context.set_spawning_popen(self)
-        try:
-            multiprocessing.context.reduction.dump(prep, data)  # type: ignore[attr-defined]
-            multiprocessing.context.reduction.dump(process_obj, data)  # type: ignore[attr-defined]
-        finally:
-            multiprocessing.context.set_spawning_popen(None)
-        self.sentinel, write_fd = _SERVER.connect_to_new_process(self.__dict__["_fds"])
-        # The child watches a duplicate of the data pipe's write end to see this process die.
-        keep = os.dup(write_fd)
-        close_fds = multiprocessing.util.close_fds  # type: ignore[attr-defined]
-        self.finalizer = multiprocessing.util.Finalize(self, close_fds, (keep, self.sentinel))
-        with open(write_fd, "wb", closefd=True) as pipe:
-            pipe.write(data.getbuffer())
-        self.pid = multiprocessing.forkserver.read_signed(self.sentinel)
-
-    def poll(self, flag: int = os.WNOHANG) -> int | None:
-        if self.returncode is None:
-            timeout = 0 if flag == os.WNOHANG else None
-            if not multiprocessing.connection.wait([self.sentinel], timeout):
-                return None
-            with self._status_lock:
-                if self.returncode is None:
-                    try:
-                        self.returncode = multiprocessing.forkserver.read_signed(self.sentinel)
-                    except (OSError, EOFError):
-                        self.returncode = 255
-        result: int | None = self.returncode
-        return result
+#: A forkserver context whose processes are forks of the preloaded server.
+_CONTEXT: multiprocessing.context.BaseContext = _cpython.forkserver_context(_SERVER.connect_to_new_process)
 
 
-class _Process(multiprocessing.context.ForkServerProcess):
-    @staticmethod
-    def _Popen(process_obj: Any) -> _Popen:
-        return _Popen(process_obj)
-
-
-class PreloadedContext(multiprocessing.context.ForkServerContext):
-    """A forkserver context whose processes fork from the preloaded server."""
-
-    Process = _Process
-
-
-_CONTEXT = PreloadedContext()
-
-
-def context(modules: Iterable[str] = ()) -> PreloadedContext:
+def context(modules: Iterable[str] = ()) -> multiprocessing.context.BaseContext:
     """The preloaded context, its server running (started now if needed, with ``modules``
     added to the preload list of a server that is not running yet).
 

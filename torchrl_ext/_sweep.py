@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from . import _forkserver
+from . import _cpython, _forkserver
 from ._identity import alive, descendants, key_of, kill_and_reap, running
 from ._reaper import REGISTRY_NAME, Registry, load_registry
 from ._tag import Tag, read_tag
@@ -152,7 +152,7 @@ def leftover_processes(owner_pid: int | None = None) -> list[psutil.Process]:
             continue
         if not alive(child) or key_of(child) == server:
             continue
-        if "multiprocessing.forkserver" in cmd or "resource_tracker" in cmd or "_reaper.py" in cmd:
+        if _cpython.is_multiprocessing_helper(cmd) or "_reaper.py" in cmd:
             continue
         if child not in out:
             out.append(child)

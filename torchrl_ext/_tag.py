@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import multiprocessing.util
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -37,7 +36,7 @@ from typing import Any
 
 import psutil
 
-from . import _identity, _platform, _reaper_client
+from . import _cpython, _identity, _platform, _reaper_client
 from ._compat import ScopedPatch
 from ._identity import OWNER_VAR, WORKER_VAR
 
@@ -97,21 +96,10 @@ def read_tag(proc: psutil.Process) -> tuple[Tag | None, str | None]:
 _birth = threading.local()
 
 
-def _what_is_spawned(args: Sequence[str | bytes]) -> str | None:
-    """``"worker"`` for a spawned ``multiprocessing`` child, ``"forkserver"`` for CPython's fork
-    server, ``None`` for anything else (the resource tracker)."""
-    text = [os.fsdecode(arg) for arg in args]  # str or bytes, as multiprocessing builds them
-    if "--multiprocessing-fork" in text:
-        return "worker"
-    if any("multiprocessing.forkserver" in arg for arg in text):
-        return "forkserver"
-    return None
-
-
 def _tagging_spawnv(previous: Callable[..., int]) -> Callable[..., int]:
     def spawnv_passfds(path: str, args: Sequence[str], passfds: Sequence[int]) -> int:
         tag: Tag | None = getattr(_birth, "tag", None)
-        kind = None if tag is None else _what_is_spawned(args)
+        kind = None if tag is None else _cpython.spawned_kind(args)
         if tag is None or kind is None:
             return previous(path, args, passfds)
         env = dict(os.environ)
@@ -135,7 +123,7 @@ def _tagging_spawnv(previous: Callable[..., int]) -> Callable[..., int]:
     return spawnv_passfds
 
 
-_SPAWN_PATCH = ScopedPatch(multiprocessing.util, "spawnv_passfds", _tagging_spawnv)
+_SPAWN_PATCH = ScopedPatch(*_cpython.spawn_patch_target(), _tagging_spawnv)
 
 
 @contextlib.contextmanager

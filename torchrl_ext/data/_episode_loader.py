@@ -8,13 +8,13 @@ import multiprocessing
 import os
 import threading
 from collections.abc import Iterator, Sized
-from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils import signal_handling as _signal_handling
 
+from ._closing import Closing
 from ._prefetch import ThreadPrefetcher
 from ._sampler import EpisodeSampler, derive_seed
 
@@ -65,7 +65,7 @@ def _identity(item: Any) -> Any:
     return item
 
 
-class EpisodeLoader(Generic[T]):
+class EpisodeLoader(Closing, Generic[T]):
     """Endless episode stream that loads the next episodes while the current one runs.
 
     ``dataset`` is a map-style dataset whose item is one whole episode (tensor, dict or
@@ -192,11 +192,6 @@ class EpisodeLoader(Generic[T]):
     def started(self) -> bool:
         """True once the first episode was requested, until :meth:`close`."""
         return self._backend is not None and not self._closed
-
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self._closed
 
     # ------------------------------------------------------------------------------- control
     def set_seed(self, seed: int | None) -> None:
@@ -337,24 +332,6 @@ class EpisodeLoader(Generic[T]):
             prefetcher.close()
         if self._backend is not None:
             _logger.debug("EpisodeLoader closed (backend=%s)", self._backend)
-
-    def __enter__(self) -> EpisodeLoader[T]:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        # Plain try/except, not contextlib.suppress: module globals may be gone at teardown.
-        try:
-            self.close()
-        except Exception:  # pragma: no cover - best effort during interpreter teardown
-            pass
 
     # ----------------------------------------------------------------------------- pickling
     def __getstate__(self) -> dict[str, Any]:

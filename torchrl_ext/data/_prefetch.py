@@ -7,10 +7,11 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sized
-from types import TracebackType
 from typing import Any, Generic, TypeVar, cast
 
 from torch.utils.data import Dataset
+
+from ._closing import Closing
 
 __all__ = ["ThreadPrefetcher"]
 
@@ -63,7 +64,7 @@ def _produce(
     _put(q, _End(), stop)
 
 
-class ThreadPrefetcher(Generic[T]):
+class ThreadPrefetcher(Closing, Generic[T]):
     """Load items in a background daemon thread while the caller works on the current one.
 
     For code that must stay in one process: while you consume item ``k`` the thread is already
@@ -125,11 +126,6 @@ class ThreadPrefetcher(Generic[T]):
     def started(self) -> bool:
         """True once the thread was started and until :meth:`close`."""
         return self._thread is not None and not self._closed
-
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self._closed
 
     def start(self) -> None:
         """Start the loading thread now instead of on the first :meth:`__next__` (idempotent)."""
@@ -214,23 +210,8 @@ class ThreadPrefetcher(Generic[T]):
                 except queue.Empty:
                     break
 
-    def __enter__(self) -> ThreadPrefetcher[T]:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        # Plain try/except, not contextlib.suppress: module globals may be gone at teardown.
-        try:
-            self.close(timeout=1.0)
-        except Exception:  # pragma: no cover - best effort during interpreter teardown
-            pass
+    def _close_when_collected(self) -> None:
+        self.close(timeout=1.0)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("started" if self._thread is not None else "idle")
