@@ -25,32 +25,9 @@ pytestmark = pytest.mark.compat  # the whole file: every interpreter and TorchRL
 PACKAGE = Path(_cpython.__file__).resolve().parent
 LABELS = [e.label for e in INVENTORY]
 
-#: Uses in modules being redesigned elsewhere, which switch to ``_cpython``'s accessors next
-#: (see each accessor). Remove an entry once its file uses the accessor: the scan below fails
-#: both on a use not listed here and on an entry no longer used.
-PENDING: dict[str, set[str]] = {
-    "_env.py": {
-        "multiprocessing.process.BaseProcess._kwargs",  # process_kwargs / set_process_kwargs
-        "multiprocessing.process.BaseProcess._target",  # process_target
-        "multiprocessing.context.ForkServerProcess._start_method",  # process_start_method
-        "multiprocessing.spawn._fixup_main_from_path",  # MAIN_IMPORTED_AS
-    },
-    "_restart.py": {  # copy_unstarted_process
-        "multiprocessing.process.BaseProcess._config",
-        "multiprocessing.process.BaseProcess._popen",
-        "multiprocessing.process.BaseProcess._closed",
-        "multiprocessing.process.BaseProcess._kwargs",
-        "multiprocessing.process.BaseProcess._name",
-    },
-    "_supervisor.py": {  # is_forkserver_child
-        "multiprocessing.process.BaseProcess._popen",
-        "multiprocessing.popen_forkserver.Popen._launch",
-    },
-    "_worker.py": {
-        "multiprocessing.process.BaseProcess._config",  # daemon_in_config / set_daemon_in_config
-        "multiprocessing.util._exit_function",  # run_exit_finalizers
-    },
-}
+#: Uses outside ``_cpython`` that are allowed for now (none): the scan below fails both on a use
+#: not listed here and on an entry no longer used.
+PENDING: dict[str, set[str]] = {}
 
 
 # --------------------------------------------------------------------------- existence

@@ -65,6 +65,7 @@ __all__ = [
     "install_fault_check",
     "is_worker_entry",
     "managed_worker_targets",
+    "torchrl_default_start_method",
     "torchrl_release",
     "worker_context",
 ]
@@ -306,13 +307,18 @@ _DEFAULT_START = _module_name(
 )
 
 
+def torchrl_default_start_method() -> str | None:
+    """TorchRL's own default start method (``None``: this TorchRL has none, 0.10)."""
+    module, _, name = _DEFAULT_START.rpartition(".")
+    getter = getattr(importlib.import_module(f"torchrl.{module}"), name, None)
+    return str(getter()) if callable(getter) else None
+
+
 def default_start_method(requested: str | None = None) -> str:
     """The start method ``ParallelEnv`` uses for ``mp_start_method=requested`` (the one copy)."""
     if requested is not None:
         return requested
-    module, _, name = _DEFAULT_START.rpartition(".")
-    getter = getattr(importlib.import_module(f"torchrl.{module}"), name, None)
-    return "spawn" if getter is None else str(getter())  # TorchRL 0.10: spawn when none is given
+    return torchrl_default_start_method() or "spawn"  # TorchRL 0.10: spawn when none is given
 
 
 # --------------------------------------------------------------------------- worker entries

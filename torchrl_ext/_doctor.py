@@ -417,10 +417,9 @@ def check_ray(installed: bool, environ: Mapping[str, str]) -> Check:
 
 # ------------------------------------------------------------------------------ running
 def _torchrl_default_start_method() -> str | None:
-    import torchrl._utils
+    from ._compat import torchrl_default_start_method
 
-    getter = getattr(torchrl._utils, "_get_default_mp_start_method", None)
-    return str(getter()) if callable(getter) else None
+    return torchrl_default_start_method()
 
 
 def _distribution_version(name: str) -> str | None:

@@ -13,7 +13,6 @@ sets ``hung`` and ``hang_timeout`` (through ``WorkerSupervisor.kill_hung``) befo
 
 from __future__ import annotations
 
-import multiprocessing.popen_forkserver
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from . import _identity, _platform
+from . import _cpython, _identity, _platform
 from ._channel import ParentChannel
 
 __all__ = ["Loss", "WorkerRecord"]
@@ -125,9 +124,7 @@ class WorkerRecord:
         tearing the process down, a moment before its status can be collected.
         """
         deadline = time.monotonic() + wait
-        orphan_prone = isinstance(
-            getattr(self.process, "_popen", None), multiprocessing.popen_forkserver.Popen
-        )
+        orphan_prone = _cpython.is_forkserver_child(self.process)
         while True:
             try:
                 code = self.process.exitcode  # collects a child we started ourselves

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _forkserver, _identity, _lifecycle, _platform, _reaper_client
+from . import _cpython, _forkserver, _identity, _lifecycle, _platform, _reaper_client
 from ._compat import (
     ConfiguredKwargs,
     SupervisedWorkers,
@@ -42,7 +42,7 @@ __all__ = ["EnvState", "StartPlan", "abort_start", "no_faults", "preload_refusal
 
 log = logging.getLogger("torchrl_ext")
 
-_NOT_PRELOADED = ("__main__", "__mp_main__", "builtins")
+_NOT_PRELOADED = ("__main__", _cpython.MAIN_IMPORTED_AS, "builtins")
 
 
 def factory_modules(create_env_fn: Any) -> list[str]:

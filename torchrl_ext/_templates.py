@@ -16,16 +16,15 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from . import _cpython
 from ._patch import ScopedPatch
 
-__all__ = [
-    "copy_unstarted",
-    "process_kwargs",
-    "process_start_method",
-    "process_target",
-    "recording_starts",
-    "set_process_kwargs",
-]
+__all__ = ["copy_unstarted", "process_kwargs", "process_start_method", "process_target", "recording_starts"]
+
+process_kwargs = _cpython.process_kwargs
+process_target = _cpython.process_target
+process_start_method = _cpython.process_start_method
+set_process_kwargs = _cpython.set_process_kwargs
 
 
 _recording = threading.local()
@@ -62,30 +61,9 @@ def recording_starts() -> Iterator[list[Any]]:
 _counter = itertools.count(1)
 
 
-def process_target(process: Any) -> Any:
-    return getattr(process, "_target", None)
-
-
-def process_kwargs(process: Any) -> dict[str, Any]:
-    return dict(process._kwargs)
-
-
-def set_process_kwargs(process: Any, kwargs: dict[str, Any]) -> None:
-    process._kwargs = kwargs
-
-
-def process_start_method(process: Any) -> str | None:
-    return getattr(process, "_start_method", None)
-
-
 def copy_unstarted(template: Any, kwargs: dict[str, Any]) -> Any:
     """A new, unstarted process like ``template`` (recorded by :func:`recording_starts`) with
     ``kwargs`` as its target's keyword arguments."""
-    process = copy.copy(template)
-    process._config = dict(template._config)
-    process._popen = None
-    process._closed = False
-    process._kwargs = kwargs
-    base = template._name.rsplit("-", 1)[0] if "-" in template._name else template._name
-    process._name = f"{base}-restart{next(_counter)}"
-    return process
+    name = str(template.name)
+    base = name.rsplit("-", 1)[0] if "-" in name else name
+    return _cpython.copy_unstarted_process(template, kwargs, f"{base}-restart{next(_counter)}")

@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from . import _identity, _platform, _reaper_client
+from . import _cpython, _identity, _platform, _reaper_client
 from ._done_signal import NotifyingFlags
 from ._errors import DaemonicWorkerError
 from ._wire import write_report
@@ -105,7 +105,7 @@ class _GCSkippedAfterClose:
 
 def _guarded_start(original: Callable[..., Any]) -> Callable[..., Any]:
     def start(self: multiprocessing.process.BaseProcess) -> None:
-        if multiprocessing.current_process()._config.get("daemon"):  # type: ignore[attr-defined]
+        if _cpython.daemon_in_config(multiprocessing.current_process()):
             raise DaemonicWorkerError(f"the child process {self.name!r}")
         original(self)
 
@@ -138,7 +138,7 @@ def prepare_process(config: WorkerConfig) -> None:
     else:
         # TorchRL <= 0.10 hard-codes daemonic workers; the flag only matters inside this
         # process (it forbids children), and this process's children are supervised.
-        current._config["daemon"] = False  # type: ignore[attr-defined]
+        _cpython.set_daemon_in_config(current, False)
 
 
 def end_own_descendants() -> None:
@@ -185,7 +185,7 @@ def exit_now(code: int) -> None:
     Call it only once the descendants are gone: it joins children.
     """
     with contextlib.suppress(Exception):
-        multiprocessing.util._exit_function()  # type: ignore[attr-defined]
+        _cpython.run_exit_finalizers()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
