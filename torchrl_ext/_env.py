@@ -9,32 +9,28 @@ private names are reached through ``_compat.Upstream`` only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-import multiprocessing
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torchrl.envs import EnvBase, ParallelEnv
 
-from . import _lifecycle, _reaper_client, _start
+from . import _lifecycle, _reaper_client
 from ._compat import (
     HAS_DAEMON_KWARG,
     HAS_SHUTDOWN_TIMEOUT_KWARG,
-    UPSTREAM_DEFAULTS,
     SupervisedWorkers,
     Upstream,
     default_start_method,
 )
-from ._errors import DaemonicParentError
 from ._marks import add_restart_keys
-from ._metadata import metadata_in_subprocess as metadata_in_subprocess_ctx
 from ._options import DEFAULT_SHUTDOWN_TIMEOUT, Options
 from ._report import SupervisionReport
 from ._restart import RestartRecord, raise_failure
-from ._start import EnvState, no_faults, preload_modules, preloaded_context, start_workers
+from ._start import EnvState, no_faults, preload_modules, spec_reader, start_workers
 from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor
-from ._tag import Tag, new_env_tag
 
 __all__ = ["DEFAULT_SHUTDOWN_TIMEOUT", "ManagedParallelEnv"]
 
@@ -138,21 +134,7 @@ class ManagedParallelEnv(ParallelEnv):
             kwargs["daemon"] = options.daemon_workers
         if HAS_SHUTDOWN_TIMEOUT_KWARG:
             kwargs["shutdown_timeout"] = options.shutdown_timeout
-        current = multiprocessing.current_process()
-        if options.metadata_in_subprocess and current.daemon:
-            raise DaemonicParentError(current.name)
-        if not options.metadata_in_subprocess:
-            super().__init__(num_workers, create_env_fn, **kwargs)
-            return
-        tag = new_env_tag()
-        start: Any = preloaded_context(modules) or default_start_method(kwargs.get("mp_start_method"))
-        with metadata_in_subprocess_ctx(
-            start,
-            Tag(tag.owner_pid, tag.owner_create_time, tag.env_id + ".meta"),
-            f"ManagedParallelEnv[{tag.env_id}]",
-            _start.child_start_method(options, modules),
-            int(kwargs.get("num_sub_threads", UPSTREAM_DEFAULTS["num_sub_threads"])),
-        ):
+        with spec_reader(options, modules, kwargs):
             super().__init__(num_workers, create_env_fn, **kwargs)
 
     @property
@@ -250,11 +232,11 @@ class ManagedParallelEnv(ParallelEnv):
         if found is not None:
             raise_failure(found)
 
-    @contextlib.contextmanager
-    def _supervised(self) -> Iterator[WorkerSupervisor | None]:
+    def _guarded(self, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)`` (TorchRL's), between the failure check and the failure translation."""
         supervisor = self._check_failed()
         try:
-            yield supervisor
+            return call(*args)
         except Exception as err:
             self._translate(err, supervisor)
             raise
@@ -280,58 +262,40 @@ class ManagedParallelEnv(ParallelEnv):
         )
 
     def _reset(self, tensordict: Any, **kwargs: Any) -> Any:
-        with self._supervised():
-            out = super()._reset(tensordict, **kwargs)
+        out = self._guarded(functools.partial(super()._reset, **kwargs), tensordict)
         self._state.engine.after_reset(Upstream(self), out)
         return out
 
-    # The two per-step calls skip the context manager (a generator per step).
     def _step(self, tensordict: Any) -> Any:
-        supervisor = self._check_failed()
-        try:
-            return super()._step(tensordict)
-        except Exception as err:
-            self._translate(err, supervisor)
-            raise
+        return self._guarded(super()._step, tensordict)
 
     def step_and_maybe_reset(self, tensordict: Any) -> Any:
-        supervisor = self._check_failed()
-        try:
-            return super().step_and_maybe_reset(tensordict)
-        except Exception as err:
-            self._translate(err, supervisor)
-            raise
+        return self._guarded(super().step_and_maybe_reset, tensordict)
 
     def set_seed(self, seed: int | None = None, static_seed: bool = False) -> int | None:
         supervisor = self._check_failed()
         try:
             return super().set_seed(seed, static_seed)
         except Exception as err:
-            if supervisor is None or not supervisor.restartable:
-                self._translate(err, supervisor)
-                raise
-            # Seeding is one worker after the other and deterministic: replace and seed again.
-            supervisor.failure(
-                wait=LOST_PIPE_WAIT if isinstance(err, EOFError | OSError) else 0.0, losses=True
-            )
-            if supervisor.first_failure is None and supervisor.has_losses:
-                self._state.engine.handle_losses(Upstream(self), supervisor, in_flight=())
+            if supervisor is not None and self._state.engine.replaced_after(Upstream(self), supervisor, err):
                 return super().set_seed(seed, static_seed)
             self._translate(err, supervisor)
             raise
 
     def state_dict(self) -> Any:
-        with self._supervised():
-            return super().state_dict()
+        return self._guarded(super().state_dict)
 
     def load_state_dict(self, state_dict: Any, **kwargs: Any) -> None:
-        with self._supervised() as supervisor:
-            super().load_state_dict(state_dict, **kwargs)
-            if supervisor is not None and supervisor.restartable:
-                # TorchRL waits out a lost worker's event and returns: its state never arrived.
-                lost = supervisor.failure(wait=0.0, losses=True)
-                if lost is not None:
-                    raise_failure(lost)
+        self._guarded(self._load_state_dict, state_dict, kwargs)
+
+    def _load_state_dict(self, state_dict: Any, kwargs: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict, **kwargs)
+        supervisor = self._state.supervisor
+        if supervisor is not None and supervisor.restartable:
+            # TorchRL waits out a lost worker's event and returns: its state never arrived.
+            lost = supervisor.failure(wait=0.0, losses=True)
+            if lost is not None:
+                raise_failure(lost)
 
     # ------------------------------------------------------------------ close
     def _shutdown_workers(self) -> None:

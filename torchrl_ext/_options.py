@@ -8,9 +8,10 @@ carries its :class:`Options` as they are.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import multiprocessing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,26 +54,20 @@ class Options:
     restart_on_error: bool
 
     @classmethod
-    def validated(
-        cls,
-        *,
-        daemon_workers: bool | None = None,
-        daemon: bool | None = None,
-        shutdown_timeout: float | None = None,
-        handle_signals: bool = True,
-        reap_orphans: bool = True,
-        metadata_in_subprocess: bool | None = None,
-        spin_wait: float | None = None,
-        exit_with_parent: bool | None = None,
-        preload: bool | Sequence[str] = True,
-        child_start_method: str | None = None,
-        max_restarts: int = 0,
-        restart_window: float | None = None,
-        step_timeout: float | None = None,
-        restart_on_error: bool = False,
-    ) -> Options:
-        """Check and resolve the options as ``ManagedParallelEnv`` takes them; raise
-        ``ValueError`` naming the parameter to change."""
+    def validated(cls, **arguments: Any) -> Options:
+        """Check and resolve the options as ``ManagedParallelEnv`` takes them (any of its
+        keyword-only parameters, by name; the others take its defaults: its signature is the
+        one list of the options); raise ``ValueError`` naming the parameter to change."""
+        defaults = _defaults()
+        unknown = sorted(set(arguments) - set(defaults))
+        if unknown:
+            raise TypeError(f"not options of ManagedParallelEnv: {unknown}")
+        given = {**defaults, **arguments}
+        daemon_workers, daemon = given["daemon_workers"], given["daemon"]
+        shutdown_timeout, spin_wait = given["shutdown_timeout"], given["spin_wait"]
+        max_restarts, restart_window = given["max_restarts"], given["restart_window"]
+        step_timeout, child_start_method = given["step_timeout"], given["child_start_method"]
+        preload, metadata_in_subprocess = given["preload"], given["metadata_in_subprocess"]
         if shutdown_timeout is None:
             shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT
         if not shutdown_timeout > 0:
@@ -95,25 +90,25 @@ class Options:
         return cls(
             daemon_workers=resolved,
             shutdown_timeout=float(shutdown_timeout),
-            handle_signals=bool(handle_signals),
-            reap_orphans=bool(reap_orphans),
+            handle_signals=bool(given["handle_signals"]),
+            reap_orphans=bool(given["reap_orphans"]),
             metadata_in_subprocess=not resolved
             if metadata_in_subprocess is None
             else bool(metadata_in_subprocess),
             spin_wait=spin_wait,
-            exit_with_parent=exit_with_parent,
+            exit_with_parent=given["exit_with_parent"],
             preload=bool(preload) if isinstance(preload, bool) else tuple(str(m) for m in preload),
             child_start_method=child_start_method,
             max_restarts=max_restarts,
             restart_window=None if restart_window is None else float(restart_window),
             step_timeout=None if step_timeout is None else float(step_timeout),
-            restart_on_error=bool(restart_on_error),
+            restart_on_error=bool(given["restart_on_error"]),
         )
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> Options:
         """:meth:`validated` with the options found in ``arguments`` (the caller's ``locals()``)."""
-        names = _VALIDATED_NAMES
+        names = _defaults()
         return cls.validated(**{name: value for name, value in arguments.items() if name in names})
 
     def replace(self, **changes: Any) -> Options:
@@ -151,4 +146,10 @@ def _resolve_daemon(daemon_workers: bool | None, daemon: bool | None) -> bool:
     return bool(UPSTREAM_DEFAULTS["daemon"])
 
 
-_VALIDATED_NAMES = frozenset(inspect.signature(Options.validated).parameters)
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    """The options and their defaults: ``ManagedParallelEnv``'s keyword-only parameters."""
+    from ._env import ManagedParallelEnv  # the env imports this module
+
+    parameters = inspect.signature(ManagedParallelEnv.__init__).parameters.values()
+    return {p.name: p.default for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}

@@ -36,7 +36,7 @@ from ._errors import WorkerDiedError, WorkerHungError
 from ._marks import clear_marks, clear_root_marks, mark_transition
 from ._options import Options
 from ._record import Loss
-from ._supervisor import WorkerSupervisor
+from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor
 from ._tag import tagged_spawns
 from ._templates import (
     copy_unstarted,
@@ -271,6 +271,17 @@ class RestartEngine:
             if lost is None:
                 return
             self._restart_slot(env, supervisor, lost, in_flight)
+
+    def replaced_after(self, env: Upstream, supervisor: WorkerSupervisor, err: Exception) -> bool:
+        """``set_seed`` raised ``err``: if a worker was lost (restarts on), replace it and return
+        True (seeding is one worker after the other and deterministic: the caller seeds again)."""
+        if not supervisor.restartable:
+            return False
+        supervisor.failure(wait=LOST_PIPE_WAIT if isinstance(err, EOFError | OSError) else 0.0, losses=True)
+        if supervisor.first_failure is not None or not supervisor.has_losses:
+            return False
+        self.handle_losses(env, supervisor, in_flight=())
+        return True
 
     def give_up(self, supervisor: WorkerSupervisor, lost: Loss, reason: str) -> NoReturn:
         failure = lost.failure

@@ -21,6 +21,7 @@ from typing import Any
 
 from . import _cpython, _forkserver, _identity, _lifecycle, _platform, _reaper_client
 from ._compat import (
+    UPSTREAM_DEFAULTS,
     ConfiguredKwargs,
     SupervisedWorkers,
     Upstream,
@@ -31,14 +32,23 @@ from ._compat import (
 )
 from ._done_signal import has_spare_core
 from ._errors import DaemonicParentError
+from ._metadata import metadata_in_subprocess
 from ._options import Options
 from ._report import SupervisionReport
 from ._restart import RestartEngine, raise_failure
 from ._supervisor import WorkerSupervisor
-from ._tag import new_env_tag, tagged_spawns
+from ._tag import Tag, new_env_tag, tagged_spawns
 from ._worker import WorkerConfig
 
-__all__ = ["EnvState", "StartPlan", "abort_start", "no_faults", "preload_refusal", "start_workers"]
+__all__ = [
+    "EnvState",
+    "StartPlan",
+    "abort_start",
+    "no_faults",
+    "preload_refusal",
+    "spec_reader",
+    "start_workers",
+]
 
 log = logging.getLogger("torchrl_ext")
 
@@ -109,6 +119,24 @@ def child_start_method(options: Options, modules: tuple[str, ...] | None) -> str
     if options.child_start_method is not None:
         return options.child_start_method
     return "fork" if modules is not None else None
+
+
+def spec_reader(options: Options, modules: tuple[str, ...] | None, kwargs: dict[str, Any]) -> Any:
+    """Around ``ParallelEnv.__init__``: with ``metadata_in_subprocess``, the env TorchRL reads
+    the specs from is built in a supervised one-shot process started as the workers will be."""
+    if not options.metadata_in_subprocess:
+        return contextlib.nullcontext()
+    current = multiprocessing.current_process()
+    if current.daemon:
+        raise DaemonicParentError(current.name)
+    tag = new_env_tag()
+    return metadata_in_subprocess(
+        preloaded_context(modules) or default_start_method(kwargs.get("mp_start_method")),
+        Tag(tag.owner_pid, tag.owner_create_time, tag.env_id + ".meta"),
+        f"ManagedParallelEnv[{tag.env_id}]",
+        child_start_method(options, modules),
+        int(kwargs.get("num_sub_threads", UPSTREAM_DEFAULTS["num_sub_threads"])),
+    )
 
 
 @dataclass(frozen=True)
