@@ -278,7 +278,7 @@ class RestartEngine:
         if not supervisor.restartable:
             return False
         supervisor.failure(wait=LOST_PIPE_WAIT if isinstance(err, EOFError | OSError) else 0.0, losses=True)
-        if supervisor.first_failure is not None or not supervisor.has_losses:
+        if supervisor.failure() is not None or not supervisor.has_losses:
             return False
         self.handle_losses(env, supervisor, in_flight=())
         return True

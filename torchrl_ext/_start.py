@@ -230,7 +230,10 @@ def start_workers(env: Any, state: EnvState, start_upstream: Callable[[], None])
     tag = new_env_tag()
     label = f"ManagedParallelEnv[{tag.env_id}]"
     fifo = _reaper_client.acquire()
-    supervisor = WorkerSupervisor(tag, options.shutdown_timeout, label, base_dir=os.path.dirname(fifo))
+    engine = state.engine
+    supervisor = WorkerSupervisor(
+        tag, options.shutdown_timeout, label, base_dir=os.path.dirname(fifo), restartable=engine.on
+    )
     if plan.context is not None:
         server = _forkserver.server_key()
         if server is not None:  # the reaper kills it too if this process dies
@@ -260,7 +263,6 @@ def start_workers(env: Any, state: EnvState, start_upstream: Callable[[], None])
     if exit_with_parent is None:
         exit_with_parent = _lifecycle.multiprocessing_parent() is not None
     _lifecycle.register(env, options.handle_signals, options.reap_orphans, exit_with_parent)
-    engine = state.engine
     try:
         with (
             managed_worker_targets(),
@@ -278,7 +280,6 @@ def start_workers(env: Any, state: EnvState, start_upstream: Callable[[], None])
         raise_failure(failure)
     finally:
         upstream.env_kwargs = user_kwargs
-    supervisor.restartable = engine.on
     upstream.channels = supervisor.attach(processes, upstream.channels)
     upstream.workers = SupervisedWorkers(processes, supervisor.check)
     supervisor.done_signal.spare_core = has_spare_core(len(processes))
@@ -313,7 +314,7 @@ def abort_start(
         if workers:
             supervisor.attach(workers, channels[: len(workers)])
             if not isinstance(err, KeyboardInterrupt | SystemExit):
-                supervisor.failure(wait=1.0)
+                supervisor.failure(wait=1.0, losses=True)
                 failure = supervisor.startup_failure()
         supervisor.shutdown("start-up failure", timeout=min(timeout, 3.0))
     finally:

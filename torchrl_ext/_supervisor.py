@@ -53,7 +53,14 @@ LOST_PIPE_WAIT = 1.0
 class WorkerSupervisor:
     """Supervises the workers of one start of a ManagedParallelEnv."""
 
-    def __init__(self, tag: Tag, shutdown_timeout: float, label: str, base_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        tag: Tag,
+        shutdown_timeout: float,
+        label: str,
+        base_dir: str | None = None,
+        restartable: bool = False,
+    ) -> None:
         self.tag = tag
         self.owner_pid = os.getpid()
         self.shutdown_timeout = shutdown_timeout
@@ -70,9 +77,9 @@ class WorkerSupervisor:
         self.done_signal = DoneSignal(os.path.join(self.report_dir, "done.fifo"))
         self._thread: threading.Thread | None = None
         self.first_failure: BaseException | None = None
-        #: With restarts on: lost workers (tree already killed) the env has not handled yet;
-        #: their failures are not raised here (``first_failure`` stays None).
-        self.restartable = False
+        #: With restarts on (fixed at construction): lost workers (tree already killed) the env
+        #: has not handled yet; their failures are not raised here (``first_failure`` stays None).
+        self.restartable = restartable
         self.lost: list[WorkerRecord] = []
         self.restarts = 0
         self._retired_fds: list[int] = []
