@@ -367,8 +367,8 @@ class WorkerSupervisor:
             self._failure_seen.wait(min(0.02, max(0.0, deadline - time.monotonic())))
 
     def check(self) -> None:
-        """Raise :meth:`failure` (no system call): TorchRL's fault check of our workers."""
-        failure = self.first_failure
+        """Raise :meth:`failure` (no system call): the hot path, and TorchRL's fault check."""
+        failure = self.failure()
         if failure is not None:
             raise failure
 
