@@ -171,7 +171,10 @@ NO_PIPE_ANSWER = frozenset(
 )
 #: Every command of TorchRL's worker loop; anything else sent is a call forwarded to the env.
 COMMANDS = NO_PIPE_ANSWER | {
-    _declare("command", name, "answered on the pipe") for name in ("seed", "state_dict", "set_env_snapshot")
+    _declare("command", "seed", "answered on the pipe"),
+    _declare("command", "state_dict", "answered on the pipe"),
+    # Seen in 0.14.1, not in 0.10.1 (the releases between are not checked here).
+    _declare("command", "set_env_snapshot", "answered on the pipe", (0, 14)),
 }
 
 #: ``ParallelEnv`` methods ``ManagedParallelEnv`` overrides (TorchRL must still call them).
