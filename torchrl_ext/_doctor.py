@@ -442,7 +442,7 @@ def run_checks(*, orphan_test: bool = True, orphan_timeout: float = 5.0) -> list
 
     probe = _platform.probe_orphan_reaping(orphan_timeout) if orphan_test else None
     _log.debug("orphan probe: %s", probe)
-    torchrl_version = _distribution_version("torchrl")
+    torchrl_version = _distribution_version("torchrl") or _distribution_version("torchrl-nightly")
     if torchrl_version is None:
         import torchrl
 

@@ -213,7 +213,9 @@ class ManagedParallelEnv(ParallelEnv):
         state = self._state
         supervisor = state.supervisor
         if supervisor is not None:
-            supervisor.check()
+            failure = supervisor.failure()
+            if failure is not None:
+                raise_failure(failure)
             if state.engine.pending(supervisor):
                 state.engine.between_calls(Upstream(self), supervisor)
         return supervisor
