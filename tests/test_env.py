@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torchrl.envs import ParallelEnv
 from tests.conftest import START_METHODS, WORKER_STARTS, start_kwargs
 from tests.envs import OBS, make_env
 from torchrl_ext import DaemonicWorkerError, ManagedParallelEnv
-from torchrl_ext._compat import HAS_DAEMON_KWARG, torchrl_release
+from torchrl_ext._compat import HAS_DAEMON_KWARG, default_start_method, torchrl_release
 
 
 def _expected(episode: int, t: int = 0) -> torch.Tensor:
@@ -225,3 +226,21 @@ def test_a_failed_forwarded_call_is_a_loss_with_restarts(method: str) -> None:
         assert {r.cause for r in env.restarts} == {"AttributeError"}
     finally:
         env.close()
+
+
+@pytest.mark.compat
+def test_a_pickled_env_keeps_its_options_and_leaves_the_start_to_where_it_lands() -> None:
+    """A copy (what a collector worker receives) carries the options, no records, and starts
+    its workers by TorchRL's start method there, not by the sender's preloaded server."""
+    env = ManagedParallelEnv(
+        2, functools.partial(make_env), daemon_workers=False, max_restarts=2, shutdown_timeout=3.0
+    )
+    copy = pickle.loads(pickle.dumps(env))
+    try:
+        assert env.start_method == "preloaded"
+        assert isinstance(copy, ManagedParallelEnv)
+        assert (copy.shutdown_timeout, copy.restarts, copy.daemon_workers) == (3.0, [], False)
+        assert copy.start_method == default_start_method(None) != "preloaded"
+    finally:
+        copy.close(raise_if_closed=False)
+        env.close(raise_if_closed=False)

@@ -9,6 +9,7 @@ private names are reached through ``_compat.Upstream`` only.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -166,7 +167,7 @@ class ManagedParallelEnv(ParallelEnv):
         # TorchRL >= 0.13 assigns this attribute in its own __init__.
         state: EnvState | None = self.__dict__.get("_trx")
         if state is not None:
-            state.options = state.options.replace(shutdown_timeout=float(value))
+            state.options = dataclasses.replace(state.options, shutdown_timeout=float(value))
             state.engine.options = state.options
 
     @property
@@ -310,7 +311,7 @@ class ManagedParallelEnv(ParallelEnv):
             # has killed the dead worker's tree; the survivors are closed by the user's close().
             return
         state.supervisor = None
-        state.worker_pids = supervisor.pids()
+        state.worker_pids = supervisor.pids()  # no lock taken: this may be a forked copy
         if supervisor.owner_pid != os.getpid():
             # A forked copy of this env (fork-context DataLoader worker, fork of the user's own):
             # the workers belong to the parent process, which closes them.

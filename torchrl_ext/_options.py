@@ -7,7 +7,6 @@ carries its :class:`Options` as they are.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import multiprocessing
@@ -110,12 +109,6 @@ class Options:
         """:meth:`validated` with the options found in ``arguments`` (the caller's ``locals()``)."""
         names = _defaults()
         return cls.validated(**{name: value for name, value in arguments.items() if name in names})
-
-    def replace(self, **changes: Any) -> Options:
-        """A copy with ``changes`` (same checks as :meth:`validated` for the ones that have any)."""
-        if "shutdown_timeout" in changes and not changes["shutdown_timeout"] > 0:
-            raise ValueError(f"shutdown_timeout must be positive, got {changes['shutdown_timeout']!r}")
-        return dataclasses.replace(self, **changes)
 
     @property
     def spin(self) -> float:

@@ -253,7 +253,7 @@ class RestartEngine:
             except _Hung:
                 assert step_timeout is not None
                 for slot in slots:
-                    if not answers.answered(slot) and not supervisor.is_gone(slot):  # dead: lost already
+                    if not answers.answered(slot) and not supervisor.exit_noticed(slot):  # dead: lost already
                         supervisor.kill_hung(slot, step_timeout)
                         supervisor.wait_handled(slot, _LOSS_WAIT)
                 self.handle_losses(env, supervisor, in_flight=slots)

@@ -192,7 +192,7 @@ class EnvState:
     ``preload_modules`` (fixed at construction); ``engine`` (lives as long as the env: its
     restart records span starts); ``supervisor``, ``plan`` and ``worker_pids`` (set by
     :func:`start_workers`, cleared by the close); ``report``, ``closing`` and ``close_reason``
-    (the close). A pickled env carries only its options and preload modules.
+    (the close). A pickled env carries only its options.
     """
 
     options: Options
@@ -214,7 +214,9 @@ class EnvState:
             self.plan.refresh(self.fifo)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (EnvState, (self.options, self.preload_modules))
+        # As before the redesign: a copy (a collector worker's) starts its workers by TorchRL's
+        # start method, decided where it runs, not by the sender's preloaded server.
+        return (EnvState, (self.options, None))
 
 
 def start_workers(env: Any, state: EnvState, start_upstream: Callable[[], None]) -> None:
@@ -231,9 +233,7 @@ def start_workers(env: Any, state: EnvState, start_upstream: Callable[[], None])
     label = f"ManagedParallelEnv[{tag.env_id}]"
     fifo = _reaper_client.acquire()
     engine = state.engine
-    supervisor = WorkerSupervisor(
-        tag, options.shutdown_timeout, label, base_dir=os.path.dirname(fifo), restartable=engine.on
-    )
+    supervisor = WorkerSupervisor(tag, options.shutdown_timeout, label, base_dir=os.path.dirname(fifo))
     if plan.context is not None:
         server = _forkserver.server_key()
         if server is not None:  # the reaper kills it too if this process dies
@@ -271,8 +271,6 @@ def start_workers(env: Any, state: EnvState, start_upstream: Callable[[], None])
             engine.recording() as started,
         ):
             start_upstream()
-        processes: list[Any] = upstream.workers
-        engine.adopt(started, len(processes), plan.worker_context)
     except BaseException as err:
         failure = abort_start(env, supervisor, err, options.shutdown_timeout)
         if failure is None:
@@ -280,6 +278,14 @@ def start_workers(env: Any, state: EnvState, start_upstream: Callable[[], None])
         raise_failure(failure)
     finally:
         upstream.env_kwargs = user_kwargs
+    processes: list[Any] = upstream.workers
+    try:
+        engine.adopt(started, len(processes), plan.worker_context)
+    except RuntimeError as err:
+        abort_start(env, supervisor, err, options.shutdown_timeout)
+        raise
+    # Losses (not failures) from here on: the start succeeded (a failed one reports deaths).
+    supervisor.enable_restarts(engine.on)
     upstream.channels = supervisor.attach(processes, upstream.channels)
     upstream.workers = SupervisedWorkers(processes, supervisor.check)
     supervisor.done_signal.spare_core = has_spare_core(len(processes))
@@ -314,7 +320,7 @@ def abort_start(
         if workers:
             supervisor.attach(workers, channels[: len(workers)])
             if not isinstance(err, KeyboardInterrupt | SystemExit):
-                supervisor.failure(wait=1.0, losses=True)
+                supervisor.failure(wait=1.0)
                 failure = supervisor.startup_failure()
         supervisor.shutdown("start-up failure", timeout=min(timeout, 3.0))
     finally:

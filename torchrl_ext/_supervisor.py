@@ -59,7 +59,6 @@ class WorkerSupervisor:
         shutdown_timeout: float,
         label: str,
         base_dir: str | None = None,
-        restartable: bool = False,
     ) -> None:
         self.tag = tag
         self.owner_pid = os.getpid()
@@ -77,14 +76,21 @@ class WorkerSupervisor:
         self.done_signal = DoneSignal(os.path.join(self.report_dir, "done.fifo"))
         self._thread: threading.Thread | None = None
         self.first_failure: BaseException | None = None
-        #: With restarts on (fixed at construction): lost workers (tree already killed) the env
-        #: has not handled yet; their failures are not raised here (``first_failure`` stays None).
-        self.restartable = restartable
+        #: With restarts on (set once, by :meth:`enable_restarts`, before :meth:`attach`): lost
+        #: workers (tree already killed) the env has not handled yet; their failures are not
+        #: raised here (``first_failure`` stays None).
+        self.restartable = False
         self.lost: list[WorkerRecord] = []
         self.restarts = 0
         self._retired_fds: list[int] = []
+        #: Descriptors ``stop()`` left to the watcher to close as it leaves (it outlived the join).
+        self._close_on_exit: list[int] = []
 
     # ------------------------------------------------------------------ set-up
+    def enable_restarts(self, on: bool) -> None:
+        """Once the start succeeded, before :meth:`attach`: deaths become losses to restart."""
+        self.restartable = on
+
     def report_path(self, index: int) -> str:
         return os.path.join(self.report_dir, f"worker-{index}.report")
 
@@ -162,13 +168,16 @@ class WorkerSupervisor:
             return next(w for w in self._workers if w.index == index)
 
     def pids(self) -> list[int]:
-        """The current worker pids, by slot."""
-        with self._lock:
-            return [w.pid for w in sorted(self._workers, key=lambda w: w.index)]
+        """The current worker pids, by slot (no lock: safe in a forked copy of this process)."""
+        return [w.pid for w in sorted(list(self._workers), key=lambda w: w.index)]
 
     def sentinel(self, index: int) -> int:
         """What becomes readable when slot ``index``'s current worker exits."""
         return self._worker(index).sentinel
+
+    def exit_noticed(self, index: int) -> bool:
+        """Whether the exit of slot ``index``'s current worker has been noticed (watcher or poll)."""
+        return self._worker(index).finished
 
     def is_gone(self, index: int) -> bool:
         """Whether slot ``index``'s current worker has exited (noticed or not)."""
@@ -198,6 +207,14 @@ class WorkerSupervisor:
 
     # ------------------------------------------------------------------ watching
     def _watch(self) -> None:
+        try:
+            self._watch_loop()
+        finally:
+            with self._lock:
+                fds, self._close_on_exit = self._close_on_exit, []
+            _close_all(fds)
+
+    def _watch_loop(self) -> None:
         while True:
             with self._lock:
                 if self._stopped:
@@ -448,16 +465,28 @@ class WorkerSupervisor:
             os.write(self._wake_w, b"x")
         except OSError:
             pass
-        if self._thread is not None and self._thread is not threading.current_thread():
+        watcher = self._thread
+        if watcher is not None and watcher is not threading.current_thread():
             limit = 2.0 if deadline is None else max(0.0, min(2.0, deadline - time.monotonic()))
-            self._thread.join(timeout=limit)
+            watcher.join(timeout=limit)
         with self._lock:
             retired, self._retired_fds = self._retired_fds, []
-        fds = [self._wake_r, self._wake_w, *retired] + [w.pidfd for w in self._workers if w.pidfd is not None]
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            fds = [self._wake_r, self._wake_w, *retired] + [
+                w.pidfd for w in self._workers if w.pidfd is not None
+            ]
+            if watcher is not None and watcher.is_alive() and watcher is not threading.current_thread():
+                # Still in a wait or an exit-status read past the deadline: the descriptors it
+                # may be using are closed by the watcher itself as it leaves (never reused under it).
+                self._close_on_exit = fds
+                fds = []
+        _close_all(fds)
         self.done_signal.close()
         shutil.rmtree(self.report_dir, ignore_errors=True)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
