@@ -336,7 +336,6 @@ class ManagedParallelEnv(ParallelEnv):
             upstream.events = None
             upstream.step_event = None
             state.engine.forget()
-            state.plan = None
             _lifecycle.unregister(self)
             _reaper_client.release()
         log.debug("%s", state.report)

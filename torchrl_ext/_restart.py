@@ -26,11 +26,12 @@ import time
 import weakref
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import _platform
 from ._channel import is_forwarded_call
 from ._compat import PER_START_KWARGS, WORKER_KWARGS, ConfiguredKwargs, Upstream, is_worker_entry
+from ._cpython import process_kwargs, process_start_method, process_target, set_process_kwargs
 from ._done_signal import Answers, DoneSignal
 from ._errors import WorkerDiedError, WorkerHungError
 from ._marks import clear_marks, clear_root_marks, mark_transition
@@ -38,14 +39,10 @@ from ._options import Options
 from ._record import Loss
 from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor
 from ._tag import tagged_spawns
-from ._templates import (
-    copy_unstarted,
-    process_kwargs,
-    process_start_method,
-    process_target,
-    recording_starts,
-    set_process_kwargs,
-)
+from ._templates import copy_unstarted, recording_starts
+
+if TYPE_CHECKING:  # _start builds the engine
+    from ._start import StartPlan
 
 __all__ = [
     "RestartBudget",
@@ -139,22 +136,21 @@ class RestartEngine:
 
     Fields and who changes them (the env's calling thread only, never the watcher):
     ``restarts`` grows by one record per replacement (never shrinks); ``templates`` and
-    ``context`` are set by :meth:`adopt` at each start and dropped by :meth:`forget`;
+    ``plan`` are set by :meth:`adopt` at each start and dropped by :meth:`forget`;
     ``mark_keys`` is set once the specs are known; ``marked`` holds the slots whose ``"next"``
     holds a mark until the next call clears it; ``fresh_obs`` holds a replacement's reset
     observation until its mark is written; ``views`` holds weak references to indexed views.
     """
 
-    def __init__(self, options: Options, refresh_start: Callable[[], None]) -> None:
+    def __init__(self, options: Options) -> None:
         self.options = options
-        #: Called before each replacement starts (a preloaded server that died is replaced).
-        self.refresh_start = refresh_start
         self.budget = RestartBudget(options.max_restarts, options.restart_window)
         self.restarts: list[RestartRecord] = []
         #: Per slot, the worker process as TorchRL built it, unstarted (see recording_starts).
         self.templates: list[Any] = []
-        #: Context of the workers' pipes and events (a replacement needs the same).
-        self.context: Any = None
+        #: How this start went (a replacement starts the same way) and its reaper's FIFO.
+        self.plan: StartPlan | None = None
+        self.fifo = ""
         #: Done entries only restarts write (set by the owner once its specs are known).
         self.mark_keys: list[str] = []
         self.marked: set[int] = set()
@@ -173,13 +169,13 @@ class RestartEngine:
         """Around TorchRL's start: the processes it starts, recorded unstarted (restarts on)."""
         return recording_starts() if self.on else contextlib.nullcontext([])
 
-    def adopt(self, started: list[Any], workers: int, context: Any) -> None:
+    def adopt(self, started: list[Any], workers: int, plan: StartPlan, fifo: str) -> None:
         """Keep the worker processes TorchRL built (``started``, in slot order) as templates."""
         self.templates = [p for p in started if is_worker_entry(process_target(p))]
         for template in self.templates:  # each replacement gets its own pipes and event
             kwargs = process_kwargs(template)
             set_process_kwargs(template, {k: v for k, v in kwargs.items() if k not in PER_START_KWARGS})
-        self.context = context
+        self.plan, self.fifo = plan, fifo
         self.marked = set()
         if self.on and len(self.templates) != workers:
             raise RuntimeError(
@@ -191,7 +187,7 @@ class RestartEngine:
     def forget(self) -> None:
         """At close: the templates hold the shared buffers and the done flags."""
         self.templates = []
-        self.context = None
+        self.plan = None
 
     def remember_view(self, view: Any) -> None:
         self.views.append(weakref.ref(view))
@@ -358,7 +354,8 @@ class RestartEngine:
 
     def _start_replacement(self, env: Upstream, supervisor: WorkerSupervisor, slot: int) -> tuple[Any, Any]:
         template = self.templates[slot]
-        ctx = self.context
+        assert self.plan is not None  # set by adopt(), as the templates are
+        ctx = self.plan.worker_context
         kwargs = dict(process_kwargs(template))
         parent_pipe, child_pipe = ctx.Pipe()
         event = ctx.Event()
@@ -370,7 +367,7 @@ class RestartEngine:
             kwargs[key] = ConfiguredKwargs(
                 dict(env_kwargs), dataclasses.replace(env_kwargs.trx_config, arm_pdeathsig=arm)
             )
-        self.refresh_start()
+        self.plan.refresh(self.fifo)
         process = copy_unstarted(template, kwargs)
         owner = env.owner
         Answers(owner.done_flags, None).clear(slot)  # the lost worker may have answered before it died

@@ -173,15 +173,21 @@ class StartPlan:
         """The context of the workers' pipes and events (a replacement needs the same)."""
         return self.context or multiprocessing.get_context(self.start_method)
 
-    def refresh(self, fifo: str | None) -> None:
+    def watch_server(self, fifo: str) -> None:
+        """The reaper behind ``fifo`` kills the preloaded server too if this process dies."""
+        if self.context is None:
+            return
+        server = _forkserver.server_key()
+        if server is not None:
+            _reaper_client.notify_watch(fifo, server[0], server[1], server[0])
+
+    def refresh(self, fifo: str) -> None:
         """Before a replacement starts: a preloaded server that died meanwhile is replaced,
         and the reaper watches the one running."""
         if self.preload_modules is None:
             return
         preloaded_context(self.preload_modules)
-        server = _forkserver.server_key()
-        if server is not None and fifo:
-            _reaper_client.notify_watch(fifo, server[0], server[1], server[0])
+        self.watch_server(fifo)
 
 
 @dataclass
@@ -190,7 +196,7 @@ class EnvState:
 
     Fields and who changes them: ``options`` (the shutdown_timeout setter replaces them);
     ``preload_modules`` (fixed at construction); ``engine`` (lives as long as the env: its
-    restart records span starts); ``supervisor``, ``plan`` and ``worker_pids`` (set by
+    restart records span starts); ``supervisor`` and ``worker_pids`` (set by
     :func:`start_workers`, cleared by the close); ``report``, ``closing`` and ``close_reason``
     (the close). A pickled env carries only its options.
     """
@@ -199,19 +205,13 @@ class EnvState:
     preload_modules: tuple[str, ...] | None
     engine: RestartEngine = field(init=False)
     supervisor: WorkerSupervisor | None = None
-    plan: StartPlan | None = None
     report: SupervisionReport | None = None
     closing: bool = False
     close_reason: str = "close"
     worker_pids: list[int] = field(default_factory=list)
-    fifo: str | None = None
 
     def __post_init__(self) -> None:
-        self.engine = RestartEngine(self.options, self._refresh_start)
-
-    def _refresh_start(self) -> None:
-        if self.plan is not None:
-            self.plan.refresh(self.fifo)
+        self.engine = RestartEngine(self.options)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # As before the redesign: a copy (a collector worker's) starts its workers by TorchRL's
@@ -234,10 +234,7 @@ def start_workers(env: Any, state: EnvState, start_upstream: Callable[[], None])
     fifo = _reaper_client.acquire()
     engine = state.engine
     supervisor = WorkerSupervisor(tag, options.shutdown_timeout, label, base_dir=os.path.dirname(fifo))
-    if plan.context is not None:
-        server = _forkserver.server_key()
-        if server is not None:  # the reaper kills it too if this process dies
-            _reaper_client.notify_watch(fifo, server[0], server[1], server[0])
+    plan.watch_server(fifo)
     # Our config travels next to each worker's kwargs, not around its factory: see _compat.
     user_kwargs = upstream.env_kwargs
     upstream.env_kwargs = [
@@ -280,7 +277,7 @@ def start_workers(env: Any, state: EnvState, start_upstream: Callable[[], None])
         upstream.env_kwargs = user_kwargs
     processes: list[Any] = upstream.workers
     try:
-        engine.adopt(started, len(processes), plan.worker_context)
+        engine.adopt(started, len(processes), plan, fifo)
     except RuntimeError as err:
         abort_start(env, supervisor, err, options.shutdown_timeout)
         raise
@@ -290,7 +287,7 @@ def start_workers(env: Any, state: EnvState, start_upstream: Callable[[], None])
     upstream.workers = SupervisedWorkers(processes, supervisor.check)
     supervisor.done_signal.spare_core = has_spare_core(len(processes))
     state.worker_pids = [p.pid for p in processes]
-    state.plan, state.fifo, state.supervisor = plan, fifo, supervisor
+    state.supervisor = supervisor
     log.debug("%s started %d workers: %s", label, len(processes), state.worker_pids)
 
 

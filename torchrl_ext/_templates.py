@@ -19,12 +19,7 @@ from typing import Any
 from . import _cpython
 from ._patch import ScopedPatch
 
-__all__ = ["copy_unstarted", "process_kwargs", "process_start_method", "process_target", "recording_starts"]
-
-process_kwargs = _cpython.process_kwargs
-process_target = _cpython.process_target
-process_start_method = _cpython.process_start_method
-set_process_kwargs = _cpython.set_process_kwargs
+__all__ = ["copy_unstarted", "recording_starts"]
 
 
 _recording = threading.local()
