@@ -70,8 +70,38 @@ def assert_no_shm_growth(before: set[str], cycles: int, in_use: Iterable[object]
         wait_until(no_growth, "no /dev/shm entry of ours left", timeout=30)
     except WaitTimeout:
         raise AssertionError(
-            f"/dev/shm entries left after {cycles} cycles: {sorted(seen['new'])} (in use: {sorted(held)})"
+            f"/dev/shm entries left after {cycles} cycles: {sorted(seen['new'])} (in use: {sorted(held)});"
+            f" {_who_holds(seen['new'])}"
         ) from None
+
+
+def _who_holds(entries: set[str]) -> str:
+    """For a failure message: which live objects of this process still hold the semaphores of
+    ``entries`` (the referrer chain's types), and how many of them only a garbage collection
+    (a reference cycle) frees."""
+    holders: list[str] = []
+    objects = gc.get_objects()
+    for obj in objects:
+        if issubclass(type(obj), multiprocessing.synchronize.SemLock) and semaphore_entries(obj) & entries:
+            chain: list[str] = []
+            current: object = obj
+            for _ in range(4):
+                refs = [
+                    r
+                    for r in gc.get_referrers(current)
+                    if r is not objects and r is not holders and type(r).__name__ != "frame"
+                ]
+                if not refs:
+                    break
+                current = refs[0]
+                del refs  # not a referrer of the next one
+                chain.append(type(current).__name__)
+            holders.append(" <- ".join(chain) or "no referrer")
+    del objects
+    gc.collect()
+    freed = len(entries - shm_entries())
+    held_by = sorted(set(holders))[:5]
+    return f"{len(holders)} live semaphore(s) hold them ({held_by}); gc.collect() freed {freed}"
 
 
 @pytest.mark.parametrize(
