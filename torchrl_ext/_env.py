@@ -76,7 +76,7 @@ class ManagedParallelEnv(ParallelEnv):
         preload: with non-daemonic workers, no ``mp_start_method`` and no global start method
             chosen by the program, workers (and the spec-reading env) are forked from a
             preloaded, supervised fork server that has already imported torch, TorchRL and the
-            factory's module (see docs/design.md, "Preloaded fork server"). A sequence of module names adds
+            factory's module (see docs/guarantees.md, "Fast start"). A sequence of module names adds
             them to the server's imports; ``False`` uses TorchRL's default start method.
             An explicit ``mp_start_method`` always wins.
         child_start_method: default start method inside each worker, that is, what a
