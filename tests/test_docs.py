@@ -18,7 +18,6 @@ import importlib
 import importlib.util
 import inspect
 import json
-import os
 import pkgutil
 import re
 import subprocess

@@ -27,8 +27,10 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip("mkdocs is not installed (pip install the dev extra to build the docs)")
     site = tmp_path_factory.mktemp("docs") / "site"
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict"]
-        + ["--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(site)],
+        [
+            *(sys.executable, "-m", "mkdocs", "build", "--strict"),
+            *("--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(site)),
+        ],
         cwd=ROOT,
         env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
         capture_output=True,
