@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ from ._options import DEFAULT_SHUTDOWN_TIMEOUT, Options
 from ._report import SupervisionReport
 from ._restart import RestartRecord, raise_failure
 from ._start import EnvState, no_faults, preload_modules, spec_reader, start_workers
+from ._stats import snapshot
 from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor
 
 __all__ = ["DEFAULT_SHUTDOWN_TIMEOUT", "ManagedParallelEnv"]
@@ -126,6 +128,7 @@ class ManagedParallelEnv(ParallelEnv):
         restart_window: float | None = None,
         step_timeout: float | None = None,
         restart_on_error: bool = False,
+        collect_stats: bool = True,
         **kwargs: Any,
     ) -> None:
         options = Options.from_arguments(locals())
@@ -186,6 +189,45 @@ class ManagedParallelEnv(ParallelEnv):
         """Every worker restart of this env so far, oldest first (see ``max_restarts``)."""
         return list(self._state.engine.restarts)
 
+    def stats(self, *, workers: bool = False, reset: bool = False) -> dict[str, float | int]:
+        """A cheap snapshot of what the env's workers did and use, in TorchRL's ``stats()``
+        convention: a flat mapping of scalars, safe to call from any thread while the env runs
+        (no worker is asked anything), which ``LoggerMonitor(logger).watch(env)`` logs.
+
+        Keys: ``workers``, ``workers_alive``; ``steps`` and ``resets`` (batched calls: ``step``
+        and ``step_and_maybe_reset``, ``reset``); ``step_ms_p50``/``_p95``/``_max`` and the same
+        for ``reset`` over the last 1,024 calls (NaN before the first); ``wait_s``, the main
+        process's time waiting for its workers; ``restarts`` and ``restarts_died``,
+        ``restarts_hung``, ``restarts_error`` by cause; ``deaths``, ``hangs`` and ``env_errors``
+        (every loss, restarted or not); ``seconds_since_restart`` (NaN before the first);
+        ``tree_rss_bytes``, ``tree_pss_bytes``, ``descendants`` and ``fds`` of the live workers'
+        trees (each worker and all its descendants, DataLoader workers included), sampled by the
+        supervisor's thread at most once a second (PSS every 10 s while stats are read; NaN
+        before the first sample). ``workers=True`` adds ``worker_<i>/pid``, ``/alive``,
+        ``/restarts``, ``/rss_bytes``, ``/pss_bytes``, ``/descendants`` and ``/fds`` per slot.
+        ``reset=True`` clears the call counters, the latency windows and ``wait_s`` after the
+        snapshot (the loss and restart counts are the env's history and stay). With
+        ``collect_stats=False`` nothing is measured: the latencies and the tree are NaN or 0.
+
+        Example:
+            >>> from torchrl.envs import PendulumEnv  # doctest: +SKIP
+            >>> env = ManagedParallelEnv(2, PendulumEnv, mp_start_method="fork")  # doctest: +SKIP
+            >>> _ = env.rollout(10)  # doctest: +SKIP
+            >>> env.stats()["steps"]  # doctest: +SKIP
+            10
+        """
+        state = self._state
+        supervisor = state.supervisor
+        alive = supervisor.alive() if supervisor is not None else []
+        return snapshot(
+            state.stats,
+            num_workers=int(self.num_workers),
+            alive=alive,
+            restarts=list(state.engine.restarts),
+            workers=workers,
+            reset=reset,
+        )
+
     def _set_properties(self) -> None:
         super()._set_properties()
         state: EnvState | None = self.__dict__.get("_trx")
@@ -245,6 +287,13 @@ class ManagedParallelEnv(ParallelEnv):
             raise
 
     def _wait_for_workers(self, workers_range: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._wait(workers_range)
+        finally:
+            self._state.stats.calls.wait_s += time.perf_counter() - t0
+
+    def _wait(self, workers_range: Any) -> None:
         state = self._state
         supervisor = state.supervisor
         upstream = Upstream(self)
@@ -264,16 +313,26 @@ class ManagedParallelEnv(ParallelEnv):
             flags, upstream.slots(workers_range), upstream.pipe_timeout, state.options.spin, supervisor.check
         )
 
+    def _measured(self, reset: bool, call: Callable[..., Any], tensordict: Any) -> Any:
+        """:meth:`_guarded`, its duration recorded for ``stats()`` (``collect_stats``)."""
+        state = self._state
+        if not state.options.collect_stats:
+            return self._guarded(call, tensordict)
+        t0 = time.perf_counter()
+        out = self._guarded(call, tensordict)
+        state.stats.calls.record(reset, time.perf_counter() - t0)
+        return out
+
     def _reset(self, tensordict: Any, **kwargs: Any) -> Any:
-        out = self._guarded(functools.partial(super()._reset, **kwargs), tensordict)
+        out = self._measured(True, functools.partial(super()._reset, **kwargs), tensordict)
         self._state.engine.after_reset(Upstream(self), out)
         return out
 
     def _step(self, tensordict: Any) -> Any:
-        return self._guarded(super()._step, tensordict)
+        return self._measured(False, super()._step, tensordict)
 
     def step_and_maybe_reset(self, tensordict: Any) -> Any:
-        return self._guarded(super().step_and_maybe_reset, tensordict)
+        return self._measured(False, super().step_and_maybe_reset, tensordict)
 
     def set_seed(self, seed: int | None = None, static_seed: bool = False) -> int | None:
         supervisor = self._check_failed()

@@ -51,6 +51,7 @@ class Options:
     restart_window: float | None
     step_timeout: float | None
     restart_on_error: bool
+    collect_stats: bool
 
     @classmethod
     def validated(cls, **arguments: Any) -> Options:
@@ -102,6 +103,7 @@ class Options:
             restart_window=None if restart_window is None else float(restart_window),
             step_timeout=None if step_timeout is None else float(step_timeout),
             restart_on_error=bool(given["restart_on_error"]),
+            collect_stats=bool(given["collect_stats"]),
         )
 
     @classmethod

@@ -90,6 +90,17 @@ class WorkerRecord:
             self.channel,
         )
 
+    def refresh_descendants(self) -> None:
+        """Forget descendants that ended (a DataLoader per reset starts new ones every episode)
+        and add the new ones. A new dict replaces the old one, so readers in other threads never
+        see it change size under them."""
+        descendants = {k: proc for k, proc in self.descendants.items() if _identity.alive(proc)}
+        for proc in _identity.descendants(self.pid):
+            key = _identity.key_of(proc)
+            if key is not None:
+                descendants.setdefault(key, proc)
+        self.descendants = descendants
+
     def exited(self) -> bool:
         """Whether multiprocessing has collected its exit (cheap; no identity check)."""
         try:

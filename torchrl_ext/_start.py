@@ -36,6 +36,7 @@ from ._metadata import metadata_in_subprocess
 from ._options import Options
 from ._report import SupervisionReport
 from ._restart import RestartEngine, raise_failure
+from ._stats import EnvStats
 from ._supervisor import WorkerSupervisor
 from ._tag import Tag, new_env_tag, tagged_spawns
 from ._worker import WorkerConfig
@@ -204,6 +205,8 @@ class EnvState:
     options: Options
     preload_modules: tuple[str, ...] | None
     engine: RestartEngine = field(init=False)
+    #: What ``stats()`` reads besides ``engine.restarts``: lives as long as the env.
+    stats: EnvStats = field(default_factory=EnvStats)
     supervisor: WorkerSupervisor | None = None
     report: SupervisionReport | None = None
     closing: bool = False
@@ -233,7 +236,13 @@ def start_workers(env: Any, state: EnvState, start_upstream: Callable[[], None])
     label = f"ManagedParallelEnv[{tag.env_id}]"
     fifo = _reaper_client.acquire()
     engine = state.engine
-    supervisor = WorkerSupervisor(tag, options.shutdown_timeout, label, base_dir=os.path.dirname(fifo))
+    supervisor = WorkerSupervisor(
+        tag,
+        options.shutdown_timeout,
+        label,
+        base_dir=os.path.dirname(fifo),
+        stats=state.stats if options.collect_stats else None,
+    )
     plan.watch_server(fifo)
     # Our config travels next to each worker's kwargs, not around its factory: see _compat.
     user_kwargs = upstream.env_kwargs

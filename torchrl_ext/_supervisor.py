@@ -37,6 +37,7 @@ from ._errors import WorkerDiedError, WorkerHungError, format_exitcode
 from ._record import Loss, WorkerRecord
 from ._report import SupervisionReport, WorkerOutcome
 from ._shutdown import close_workers
+from ._stats import EnvStats
 from ._tag import Tag
 from ._wire import read_report, rebuild_exception
 
@@ -59,8 +60,12 @@ class WorkerSupervisor:
         shutdown_timeout: float,
         label: str,
         base_dir: str | None = None,
+        stats: EnvStats | None = None,
     ) -> None:
         self.tag = tag
+        #: The env's statistics (``None``: not collected): the watcher counts losses there and
+        #: samples the workers' trees into it.
+        self.stats = stats
         self.owner_pid = os.getpid()
         self.shutdown_timeout = shutdown_timeout
         self.label = label
@@ -171,6 +176,10 @@ class WorkerSupervisor:
         """The current worker pids, by slot (no lock: safe in a forked copy of this process)."""
         return [w.pid for w in sorted(list(self._workers), key=lambda w: w.index)]
 
+    def alive(self) -> list[bool]:
+        """By slot, whether its current worker runs (its exit not noticed; no lock, no system call)."""
+        return [not w.finished for w in sorted(list(self._workers), key=lambda w: w.index)]
+
     def sentinel(self, index: int) -> int:
         """What becomes readable when slot ``index``'s current worker exits."""
         return self._worker(index).sentinel
@@ -241,18 +250,13 @@ class WorkerSupervisor:
             self._snapshot()
 
     def _snapshot(self) -> None:
+        """Refresh each live worker's descendants; sample their trees for ``stats()`` if due."""
         with self._lock:
             live = [w for w in self._workers if not w.finished]
         for worker in live:
-            # Forget descendants that ended (a DataLoader per reset starts new ones every
-            # episode). A new dict replaces the old one, so readers in other threads never see
-            # it change size under them.
-            descendants = {k: proc for k, proc in worker.descendants.items() if _identity.alive(proc)}
-            for proc in _identity.descendants(worker.pid):
-                key = _identity.key_of(proc)
-                if key is not None:
-                    descendants.setdefault(key, proc)
-            worker.descendants = descendants
+            worker.refresh_descendants()
+        if self.stats is not None:
+            self.stats.sampler.maybe_sample(live)
 
     def poll(self) -> None:
         """Synchronously notice workers that have exited (cheap: one select)."""
@@ -299,6 +303,8 @@ class WorkerSupervisor:
             else f"died with exit code {format_exitcode(worker.exitcode)}",
             worker.descendants_killed,
         )
+        if self.stats is not None:
+            self.stats.losses.count(worker.hung, failure)
         with self._lock:
             worker.failure = failure
             if self.restartable:

@@ -1,0 +1,199 @@
+"""Seeing inside a running env: ``stats()`` (TorchRL's convention, for ``LoggerMonitor``)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.conftest import start_kwargs
+from tests.envs import make_env
+from tests.polling import wait_until
+from torchrl_ext import ManagedParallelEnv
+
+#: The default path and fork (what the issue names); spawn and forkserver start the same code.
+STARTS = ["preloaded", pytest.param("fork", marks=pytest.mark.compat)]
+LATENCIES = [f"{call}_ms_{q}" for call in ("step", "reset") for q in ("p50", "p95", "max")]
+
+
+def _env(method: str, **kwargs: Any) -> ManagedParallelEnv:
+    return ManagedParallelEnv(2, make_env, daemon_workers=False, **start_kwargs(method), **kwargs)
+
+
+@pytest.mark.parametrize("method", STARTS)
+def test_stats_count_calls_and_their_latencies(method: str) -> None:
+    env = _env(method)
+    try:
+        before = env.stats()
+        assert before["steps"] == before["resets"] == 0 and before["workers"] == 2
+        assert all(math.isnan(before[key]) for key in LATENCIES), before
+        td = env.reset()
+        for _ in range(3):
+            td = env.step(env.rand_action(td))["next"]
+        td = env.rollout(1, auto_reset=False, tensordict=td)[..., -1]["next"]  # step_and_maybe_reset
+        stats = env.stats()
+        assert stats["steps"] == 4 and stats["resets"] == 1
+        assert stats["workers_alive"] == 2 and stats["restarts"] == stats["deaths"] == 0
+        for call in ("step", "reset"):
+            p50, p95, top = (stats[f"{call}_ms_{q}"] for q in ("p50", "p95", "max"))
+            assert 0 < p50 <= p95 <= top, stats
+        assert stats["wait_s"] > 0
+        assert math.isnan(stats["seconds_since_restart"])
+        assert all(isinstance(v, int | float) for v in stats.values())
+        env.rollout(1, auto_reset=False, tensordict=td)
+        assert env.stats()["steps"] == 5
+        # reset=True: this snapshot as it is, then the call counters and windows start over.
+        assert env.stats(reset=True)["steps"] == 5
+        after = env.stats()
+        assert after["steps"] == after["resets"] == 0 and after["wait_s"] == 0
+        assert all(math.isnan(after[key]) for key in LATENCIES)
+    finally:
+        env.close(raise_if_closed=False)
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    proc = psutil.Process(pid)
+    return [proc, *proc.children(recursive=True)]
+
+
+@pytest.mark.parametrize("method", STARTS)
+def test_stats_sample_each_workers_tree_dataloader_workers_included(method: str) -> None:
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, loader="persistent", dl_context="fork"),
+        daemon_workers=False,
+        **start_kwargs(method),
+    )
+    try:
+        env.rollout(3)
+        pids = env.worker_pids
+        # Sampled by the supervisor's thread (at most once a second): poll until a sample has
+        # both DataLoader workers of each worker and a PSS.
+        stats = wait_until(
+            lambda: (s := env.stats(workers=True))["descendants"] == 4
+            and not math.isnan(s["tree_pss_bytes"])
+            and s,
+            "a sample of both trees with their DataLoader workers",
+        )
+        for slot, pid in enumerate(pids):
+            prefix = f"worker_{slot}/"
+            assert stats[prefix + "pid"] == pid and stats[prefix + "alive"] == 1
+            assert stats[prefix + "descendants"] == 2
+            assert stats[prefix + "rss_bytes"] > psutil.Process(pid).memory_info().rss // 2
+            assert stats[prefix + "fds"] >= len(_tree(pid))  # every process has fds open
+            assert 0 < stats[prefix + "pss_bytes"] <= stats[prefix + "rss_bytes"]
+        assert stats["tree_rss_bytes"] == sum(stats[f"worker_{i}/rss_bytes"] for i in range(2))
+        assert stats["fds"] == sum(stats[f"worker_{i}/fds"] for i in range(2))
+    finally:
+        env.close(raise_if_closed=False)
+    closed = env.stats(workers=True)
+    assert closed["workers_alive"] == 0 and closed["tree_rss_bytes"] == 0
+    assert closed["worker_0/alive"] == 0 and "worker_0/rss_bytes" not in closed
+
+
+@pytest.mark.parametrize("method", STARTS)
+def test_stats_count_losses_and_restarts_by_cause(method: str) -> None:
+    env = _env(method, max_restarts=2)
+    try:
+        td = env.reset()
+        victim = env.worker_pids[1]
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: env.stats()["deaths"] == 1, "the death counted by the supervisor")
+        env.step(env.rand_action(td))
+        stats = env.stats(workers=True)
+        assert (stats["restarts"], stats["restarts_died"], stats["restarts_hung"]) == (1, 1, 0)
+        assert stats["restarts_error"] == 0 and stats["hangs"] == stats["env_errors"] == 0
+        assert stats["worker_1/restarts"] == 1 and stats["worker_0/restarts"] == 0
+        assert stats["seconds_since_restart"] >= 0 and stats["workers_alive"] == 2
+        assert env.restarts[0].old_pid == victim and env.worker_pids[1] != victim
+    finally:
+        env.close(raise_if_closed=False)
+
+
+def test_stats_count_a_hang() -> None:
+    env = ManagedParallelEnv(
+        2,
+        make_env,
+        create_env_kwargs=[{}, {"step_sleep": 3600.0}],
+        daemon_workers=False,
+        max_restarts=1,
+        step_timeout=2.0,
+        mp_start_method="fork",
+    )
+    try:
+        td = env.reset()
+        env.step(env.rand_action(td))
+        stats = env.stats()
+        assert (stats["hangs"], stats["restarts_hung"], stats["deaths"]) == (1, 1, 0)
+    finally:
+        env.close(raise_if_closed=False)
+
+
+@pytest.mark.compat
+def test_stats_are_safe_to_read_from_another_thread_while_stepping() -> None:
+    env = _env("fork")
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    reads = [0]
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                env.stats(workers=True)
+                reads[0] += 1
+            except BaseException as err:  # noqa: BLE001 - reported below
+                errors.append(err)
+                return
+
+    thread = threading.Thread(target=reader)
+    try:
+        thread.start()
+        wait_until(lambda: reads[0] > 0, "the reader's first snapshot")
+        env.rollout(50, break_when_any_done=False)
+        stop.set()
+        thread.join()
+        assert not errors and env.stats()["steps"] == 50
+    finally:
+        stop.set()
+        thread.join()
+        env.close(raise_if_closed=False)
+
+
+@pytest.mark.compat
+def test_collect_stats_false_measures_nothing() -> None:
+    env = _env("fork", collect_stats=False)
+    try:
+        env.rollout(5)
+        stats = env.stats()
+        assert stats["steps"] == 0 and math.isnan(stats["step_ms_p50"]) and stats["tree_rss_bytes"] == 0
+        assert stats["workers_alive"] == 2
+    finally:
+        env.close(raise_if_closed=False)
+
+
+def test_logger_monitor_logs_the_env_stats(tmp_path: Path) -> None:
+    monitoring = pytest.importorskip("torchrl.record.loggers.monitoring")
+    from torchrl.record import CSVLogger
+
+    env = _env("fork")
+    logger = CSVLogger(exp_name="envstats", log_dir=str(tmp_path))
+    monitor = monitoring.LoggerMonitor(logger, background=False)
+    try:
+        monitor.watch(env, name="env", step="steps")
+        env.rollout(4)
+        logged = monitor.step()
+        assert logged["env"]["env/steps"] == 4.0
+        assert "env/step_ms_p95" in logged["env"] and "env/tree_rss_bytes" in logged["env"]
+        assert not any(math.isnan(v) for v in logged["env"].values())  # NaN entries are left out
+        monitor.stop()
+        written = {p.stem for p in tmp_path.rglob("*.csv")}
+        assert {"env/steps", "env/step_ms_p50"} <= written or {"steps", "step_ms_p50"} <= written, written
+    finally:
+        env.close(raise_if_closed=False)

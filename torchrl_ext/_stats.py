@@ -1,0 +1,279 @@
+"""Operational statistics of one ManagedParallelEnv, in TorchRL's ``stats()`` convention.
+
+A cheap, flat mapping of scalars, safe to call from any thread while the env runs, which
+``torchrl.record.loggers.monitoring.LoggerMonitor`` polls and logs (see docs/watching.md).
+Where each number comes from::
+
+    env calling thread ──► CallStats: steps, resets, latency windows, the wait for the workers
+                           (plain counters: one writer, no lock, nothing on the hot path but
+                           two clock reads and an append)
+    supervisor thread  ──► TreeSampler.maybe_sample(): each worker's tree (the worker and all
+                           its descendants) at most once per SAMPLE_INTERVAL: RSS, descendants,
+                           open fds; PSS (costly: smaps_rollup) at most once per PSS_INTERVAL,
+                           and only while someone reads stats()
+                           LossCounts: deaths, hangs and env errors seen
+    RestartEngine      ──► env.restarts: restarts by cause, time of the last one
+    stats() (any thread) ──► snapshot(): reads all of the above, takes no lock of theirs
+
+Every field below states who writes it; readers in other threads only ever see a whole value
+(a counter, or a dict replaced as a whole).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from . import _identity
+
+if TYPE_CHECKING:
+    from ._record import WorkerRecord
+
+__all__ = ["PSS_INTERVAL", "SAMPLE_INTERVAL", "WINDOW", "EnvStats", "TreeSample", "snapshot"]
+
+#: Calls kept in each latency window (p50, p95 and max are over the last ``WINDOW`` calls).
+WINDOW = 1024
+#: Seconds between two memory samples of the workers' trees (RSS, descendants, fds).
+SAMPLE_INTERVAL = 1.0
+#: Seconds between two PSS samples (reading ``/proc/PID/smaps_rollup`` costs about 10 ms for a
+#: process with torch loaded); PSS is sampled only while ``stats()`` was read within
+#: ``PSS_INTERVAL * 6`` seconds.
+PSS_INTERVAL = 10.0
+
+
+class LatencyWindow:
+    """The durations of the last ``size`` calls, in seconds (one writer thread)."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, size: int = WINDOW) -> None:
+        self._values: collections.deque[float] = collections.deque(maxlen=size)
+
+    def add(self, seconds: float) -> None:
+        self._values.append(seconds)
+
+    def summary(self, name: str) -> dict[str, float]:
+        """``{name}_ms_p50``, ``_p95`` and ``_max`` (NaN before the first call)."""
+        values = sorted(self._values.copy())  # deque.copy() is atomic under the GIL
+        if not values:
+            nan = float("nan")
+            return {f"{name}_ms_p50": nan, f"{name}_ms_p95": nan, f"{name}_ms_max": nan}
+        return {
+            f"{name}_ms_p50": 1e3 * _quantile(values, 0.50),
+            f"{name}_ms_p95": 1e3 * _quantile(values, 0.95),
+            f"{name}_ms_max": 1e3 * values[-1],
+        }
+
+    def clear(self) -> None:
+        self._values.clear()
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of sorted ``ordered`` (linear interpolation, as numpy's default).
+
+    Example:
+        >>> _quantile([1.0, 2.0, 3.0, 4.0], 0.5)
+        2.5
+    """
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass
+class CallStats:
+    """What the env's calling thread measures (it alone writes these fields)."""
+
+    steps: int = 0
+    resets: int = 0
+    #: Seconds the main process spent waiting for its workers' answers.
+    wait_s: float = 0.0
+    step_latency: LatencyWindow = field(default_factory=LatencyWindow)
+    reset_latency: LatencyWindow = field(default_factory=LatencyWindow)
+
+    def record(self, reset: bool, seconds: float) -> None:
+        """One ``reset`` (else step) call that took ``seconds``."""
+        if reset:
+            self.resets += 1
+            self.reset_latency.add(seconds)
+        else:
+            self.steps += 1
+            self.step_latency.add(seconds)
+
+    def clear(self) -> None:
+        self.steps = self.resets = 0
+        self.wait_s = 0.0
+        self.step_latency.clear()
+        self.reset_latency.clear()
+
+
+@dataclass
+class LossCounts:
+    """Losses the supervisor's watcher saw (it alone writes these), over the env's life."""
+
+    deaths: int = 0
+    hangs: int = 0
+    #: Workers that exited with an exception of their env.
+    env_errors: int = 0
+
+    def count(self, hung: bool, failure: BaseException) -> None:
+        """One more loss: a hang, a death, or an exception of the env."""
+        from ._errors import WorkerDiedError
+
+        if hung:
+            self.hangs += 1
+        elif isinstance(failure, WorkerDiedError):
+            self.deaths += 1
+        else:
+            self.env_errors += 1
+
+
+@dataclass(frozen=True)
+class TreeSample:
+    """One worker's tree (the worker and every live descendant) at one moment."""
+
+    pid: int
+    rss: int
+    #: ``None`` until the first PSS sample (or where ``smaps_rollup`` cannot be read).
+    pss: int | None
+    descendants: int
+    fds: int
+    #: ``time.monotonic()`` of the sample.
+    at: float
+
+
+def _sample_tree(
+    pid: int, create_time: float, descendants: Iterable[psutil.Process], pss: bool
+) -> TreeSample | None:
+    worker = _identity.same_process(pid, create_time)
+    if worker is None:
+        return None
+    rss = fds = count = 0
+    pss_total: int | None = 0 if pss else None
+    for proc in [worker, *descendants]:
+        try:
+            if pss:
+                full = proc.memory_full_info()
+                rss += full.rss
+                pss_total = (pss_total or 0) + getattr(full, "pss", 0)
+            else:
+                rss += proc.memory_info().rss
+            fds += proc.num_fds()
+        except (psutil.Error, OSError):
+            continue  # it ended between the listing and the read
+        count += proc is not worker
+    return TreeSample(pid, rss, pss_total, count, fds, time.monotonic())
+
+
+class TreeSampler:
+    """The last sample of each slot's tree; written by the supervisor's thread only.
+
+    ``samples`` is replaced as a whole at each sample (readers never see it change), keyed
+    by slot; a slot whose worker was lost keeps its last sample until its replacement's.
+    """
+
+    def __init__(self) -> None:
+        self.samples: dict[int, TreeSample] = {}
+        self._next = 0.0
+        self._next_pss = 0.0
+        #: ``time.monotonic()`` of the last ``stats()`` read (written by readers).
+        self.read_at = -math.inf
+
+    def maybe_sample(self, workers: Iterable[WorkerRecord]) -> None:
+        """Sample the tree of each of ``workers`` (live ones) if due."""
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + SAMPLE_INTERVAL
+        first = not self.samples
+        pss = now >= self._next_pss and (first or now - self.read_at < 6 * PSS_INTERVAL)
+        if pss:
+            self._next_pss = now + PSS_INTERVAL
+        samples = dict(self.samples)
+        for worker in workers:
+            slot, pid = worker.index, worker.pid
+            sample = _sample_tree(pid, worker.create_time, worker.descendants.values(), pss)
+            if sample is None:
+                continue
+            previous = samples.get(slot)
+            if not pss and previous is not None and previous.pid == pid:
+                sample = dataclasses.replace(sample, pss=previous.pss)  # the last PSS stands
+            samples[slot] = sample
+        self.samples = samples
+
+
+@dataclass
+class EnvStats:
+    """Everything ``stats()`` reads that is not already the env's (``env.restarts``): lives as
+    long as the env, across its starts; each part says who writes it."""
+
+    calls: CallStats = field(default_factory=CallStats)
+    losses: LossCounts = field(default_factory=LossCounts)
+    sampler: TreeSampler = field(default_factory=TreeSampler)
+    #: Serializes ``stats(reset=True)`` callers (the calling thread's counters are read, then
+    #: cleared, by one reader at a time).
+    reading: threading.Lock = field(default_factory=threading.Lock)
+
+
+def snapshot(
+    stats: EnvStats,
+    *,
+    num_workers: int,
+    alive: Sequence[bool],
+    restarts: Sequence[Any],
+    workers: bool,
+    reset: bool,
+) -> dict[str, float | int]:
+    """The flat mapping ``ManagedParallelEnv.stats()`` returns (see its docstring)."""
+    with stats.reading:
+        stats.sampler.read_at = time.monotonic()
+        calls, losses = stats.calls, stats.losses
+        out: dict[str, float | int] = {
+            "workers": num_workers,
+            "workers_alive": sum(alive),
+            "steps": calls.steps,
+            "resets": calls.resets,
+            "wait_s": calls.wait_s,
+            **calls.step_latency.summary("step"),
+            **calls.reset_latency.summary("reset"),
+            "restarts": len(restarts),
+            "restarts_died": sum(isinstance(r.cause, int) for r in restarts),
+            "restarts_hung": sum(r.cause == "hung" for r in restarts),
+            "restarts_error": sum(isinstance(r.cause, str) and r.cause != "hung" for r in restarts),
+            "deaths": losses.deaths,
+            "hangs": losses.hangs,
+            "env_errors": losses.env_errors,
+            "seconds_since_restart": time.time() - restarts[-1].time if restarts else float("nan"),
+        }
+        samples = {slot: s for slot, s in stats.sampler.samples.items() if slot < len(alive) and alive[slot]}
+        pss = [s.pss for s in samples.values()]
+        out.update(
+            tree_rss_bytes=sum(s.rss for s in samples.values()),
+            tree_pss_bytes=sum(p for p in pss if p is not None) if pss and None not in pss else float("nan"),
+            descendants=sum(s.descendants for s in samples.values()),
+            fds=sum(s.fds for s in samples.values()),
+        )
+        if workers:
+            for slot in range(num_workers):
+                sample = samples.get(slot)
+                prefix = f"worker_{slot}/"
+                out[prefix + "alive"] = int(slot < len(alive) and alive[slot])
+                out[prefix + "restarts"] = sum(r.slot == slot for r in restarts)
+                if sample is not None:
+                    out[prefix + "pid"] = sample.pid
+                    out[prefix + "rss_bytes"] = sample.rss
+                    out[prefix + "pss_bytes"] = float("nan") if sample.pss is None else sample.pss
+                    out[prefix + "descendants"] = sample.descendants
+                    out[prefix + "fds"] = sample.fds
+        if reset:
+            calls.clear()
+    return out
