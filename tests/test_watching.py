@@ -148,7 +148,7 @@ def test_stats_are_safe_to_read_from_another_thread_while_stepping() -> None:
             try:
                 env.stats(workers=True)
                 reads[0] += 1
-            except BaseException as err:  # noqa: BLE001 - reported below
+            except BaseException as err:  # reported below
                 errors.append(err)
                 return
 
