@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import pickle
 import signal
 import threading
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 from tests.conftest import start_kwargs
 from tests.envs import make_env
 from tests.polling import wait_until
-from torchrl_ext import ManagedParallelEnv
+from torchrl_ext import ManagedParallelEnv, WorkerHungError
 
 #: The default path and fork (what the issue names); spawn and forkserver start the same code.
 STARTS = ["preloaded", pytest.param("fork", marks=pytest.mark.compat)]
@@ -195,5 +196,55 @@ def test_logger_monitor_logs_the_env_stats(tmp_path: Path) -> None:
         monitor.stop()
         written = {p.stem for p in tmp_path.rglob("*.csv")}
         assert {"env/steps", "env/step_ms_p50"} <= written or {"steps", "step_ms_p50"} <= written, written
+    finally:
+        env.close(raise_if_closed=False)
+
+
+# --------------------------------------------------------------------------- a hang's stacks
+@pytest.mark.parametrize(
+    "method", [pytest.param("fork", marks=pytest.mark.compat), "forkserver", "spawn", "preloaded"]
+)
+def test_a_hung_workers_stacks_come_with_its_record_and_its_error(method: str) -> None:
+    env = ManagedParallelEnv(
+        2,
+        make_env,
+        create_env_kwargs=[{}, {"step_sleep": 3600.0}],
+        daemon_workers=False,
+        max_restarts=1,
+        step_timeout=2.0,
+        **start_kwargs(method),
+    )
+    try:
+        td = env.reset()
+        out = env.step(env.rand_action(td))  # slot 1 hangs: its stacks, then the restart
+        (record,) = env.restarts
+        assert record.cause == "hung" and record.stacks is not None
+        # Every thread, the hung one inside the toy env's step, in its time.sleep.
+        assert "Current thread" in record.stacks or "Thread 0x" in record.stacks, record.stacks
+        assert "in _step" in record.stacks and "envs.py" in record.stacks, record.stacks
+        with pytest.raises(WorkerHungError) as info:  # the replacement hangs too: no budget left
+            env.step(env.rand_action(out.exclude("next")))
+        stacks = info.value.stacks
+        assert stacks is not None and "in _step" in stacks
+        assert any("hung, every thread" in note and "in _step" in note for note in info.value.__notes__)
+        assert pickle.loads(pickle.dumps(info.value)).stacks == stacks
+    finally:
+        env.close(raise_if_closed=False)
+
+
+def test_stacks_of_a_worker_stuck_in_a_c_call_that_holds_the_gil() -> None:
+    env = ManagedParallelEnv(
+        2,
+        make_env,
+        create_env_kwargs=[{}, {"hold_gil": True}],
+        daemon_workers=False,
+        step_timeout=2.0,
+        mp_start_method="fork",
+    )
+    try:
+        td = env.reset()
+        with pytest.raises(WorkerHungError) as info:
+            env.step(env.rand_action(td))
+        assert info.value.stacks is not None and "in _step" in info.value.stacks, info.value.stacks
     finally:
         env.close(raise_if_closed=False)

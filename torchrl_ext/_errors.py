@@ -136,10 +136,14 @@ class WorkerHungError(WorkerDiedError):
     Raised like :class:`WorkerDiedError` (which it subclasses) when the env has no restart
     left (``max_restarts``); with restarts left, the slot is restarted instead.
 
+    ``stacks`` is what every thread of the worker was doing when it was killed (Python's
+    ``faulthandler`` dump, asked for at most 0.5 s before the kill), ``None`` if it said nothing
+    in time; it is also a note of the exception, so a traceback shows it.
+
     Example:
         >>> err = WorkerHungError(worker_index=0, pid=4242, last_command="step", timeout=5.0)
-        >>> isinstance(err, WorkerDiedError), err.timeout
-        (True, 5.0)
+        >>> isinstance(err, WorkerDiedError), err.timeout, err.stacks
+        (True, 5.0, None)
     """
 
     def __init__(
@@ -149,9 +153,13 @@ class WorkerHungError(WorkerDiedError):
         last_command: str | None,
         timeout: float,
         detail: str | None = None,
+        stacks: str | None = None,
     ) -> None:
         self.timeout = timeout
+        self.stacks = stacks
         super().__init__(worker_index, pid, -signal.SIGKILL, last_command, detail)
+        if stacks:
+            self.add_note(f"Where worker {worker_index} (pid {pid}) hung, every thread:\n{stacks}")
 
     def _hint(self) -> str:
         return (
@@ -168,7 +176,10 @@ class WorkerHungError(WorkerDiedError):
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.worker_index, self.pid, self.last_command, self.timeout, self.detail))
+        return (
+            type(self),
+            (self.worker_index, self.pid, self.last_command, self.timeout, self.detail, self.stacks),
+        )
 
 
 class WorkerEnvError(RuntimeError):

@@ -62,6 +62,8 @@ class WorkerRecord:
     #: Set when the env killed it for not answering within ``hang_timeout`` seconds.
     hung: bool = False
     hang_timeout: float = 0.0
+    #: What the hung worker's threads were doing when it was killed (``_stacks``), if it said.
+    stacks: str | None = None
     #: ``time.monotonic()`` when its exit was noticed.
     lost_at: float = 0.0
     #: Set once its exit has been handled (tree killed, failure recorded).

@@ -83,6 +83,8 @@ class RestartRecord:
     time: float
     #: Seconds from the loss being noticed to the new worker having built its env.
     ready_after: float
+    #: A hung worker's stacks, every thread, when it was killed (see ``WorkerHungError.stacks``).
+    stacks: str | None = None
 
     def __str__(self) -> str:
         from ._errors import format_exitcode
@@ -284,7 +286,9 @@ class RestartEngine:
         history = "; ".join(str(r) for r in self.restarts[-5:]) or "none"
         detail = f"{reason}; restarts so far ({len(self.restarts)}): {history}"
         if isinstance(failure, WorkerHungError):
-            failure = WorkerHungError(lost.index, lost.pid, failure.last_command, failure.timeout, detail)
+            failure = WorkerHungError(
+                lost.index, lost.pid, failure.last_command, failure.timeout, detail, failure.stacks
+            )
         elif isinstance(failure, WorkerDiedError):
             failure = WorkerDiedError(lost.index, lost.pid, lost.exitcode, failure.last_command, detail)
         elif failure is None:
@@ -331,6 +335,7 @@ class RestartEngine:
                     lost.channel.last_command,
                     time.time() - waited,
                     waited,
+                    stacks=getattr(lost.failure, "stacks", None),
                 )
                 self.restarts.append(record)
                 log.warning(

@@ -1,17 +1,16 @@
 """The supervisor: owns the process state of one started ManagedParallelEnv.
 
 It records every worker (pid, create time, process group) and, twice a second, every
-descendant; a watcher thread waits on the workers' sentinels, so a death is seen when it
-happens rather than at the next poll. On a death it kills and reaps the dead worker's whole
-tree at once and keeps the failure, which the env raises on its pending or next call. Its
-:meth:`WorkerSupervisor.shutdown` is the bounded close sequence, NOTE [shutdown order] in
-``_shutdown``.
+descendant (sampling the trees for ``stats()``, ``_stats``); a watcher thread waits on the
+workers' sentinels, so a death is seen when it happens. On a death it kills and reaps the dead
+worker's whole tree at once and keeps the failure, which the env raises on its pending or next
+call. :meth:`WorkerSupervisor.shutdown` is the bounded close, NOTE [shutdown order] in ``_shutdown``.
 
 What the env may ask of it (nothing outside this module takes its lock or reads its records):
 the one failure query (:meth:`WorkerSupervisor.failure`), the pending losses
 (:meth:`~WorkerSupervisor.next_loss`), waiting until a loss is handled
-(:meth:`~WorkerSupervisor.wait_handled`), replacing a slot's worker, killing a hung one, and
-giving up (:meth:`~WorkerSupervisor.give_up`).
+(:meth:`~WorkerSupervisor.wait_handled`), replacing a slot's worker, killing a hung one (its
+stacks first, ``_stacks``), and giving up (:meth:`~WorkerSupervisor.give_up`).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from typing import Any
 
 import psutil
 
-from . import _identity, _reaper_client
+from . import _identity, _reaper_client, _stacks
 from ._channel import ParentChannel, RestartableChannel
 from ._done_signal import DoneSignal
 from ._errors import WorkerDiedError, WorkerHungError, format_exitcode
@@ -208,6 +207,7 @@ class WorkerSupervisor:
         worker = self._worker(index)
         worker.hung = True
         worker.hang_timeout = timeout
+        worker.stacks = _stacks.capture(worker.pid, worker.create_time, self.report_path(index))
         worker.signal(signal.SIGKILL)
 
     def _wake_watcher(self) -> None:
@@ -317,7 +317,9 @@ class WorkerSupervisor:
     def _failure_for(self, worker: WorkerRecord) -> BaseException:
         last_command = worker.channel.last_command
         if worker.hung:
-            return WorkerHungError(worker.index, worker.pid, last_command, worker.hang_timeout)
+            return WorkerHungError(
+                worker.index, worker.pid, last_command, worker.hang_timeout, stacks=worker.stacks
+            )
         report = read_report(self.report_path(worker.index))
         if report is None:
             return WorkerDiedError(worker.index, worker.pid, worker.exitcode, last_command)

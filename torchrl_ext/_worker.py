@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from . import _cpython, _identity, _platform, _reaper_client
+from . import _cpython, _identity, _platform, _reaper_client, _stacks
 from ._done_signal import NotifyingFlags
 from ._errors import DaemonicWorkerError
 from ._wire import write_report
@@ -154,6 +154,7 @@ def run_managed(original: Callable[..., Any], config: WorkerConfig, kwargs: dict
     from ._compat import GC_NAME, WORKER_KWARGS  # _compat imports this module
 
     prepare_process(config)
+    _stacks.arm(_stacks.stacks_path(config.report_path))
     flags_key, pipe_key = WORKER_KWARGS["done_flags"], WORKER_KWARGS["pipe"]
     if config.done_fifo and kwargs.get(flags_key) is not None:
         # TorchRL >= 0.11 reports "done" through shared flags; wake the sleeping main process too.
