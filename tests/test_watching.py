@@ -78,9 +78,11 @@ def test_stats_sample_each_workers_tree_dataloader_workers_included(method: str)
         # Sampled by the supervisor's thread (at most once a second): poll until a sample has
         # both DataLoader workers of each worker and a PSS.
         stats = wait_until(
-            lambda: (s := env.stats(workers=True))["descendants"] == 4
-            and not math.isnan(s["tree_pss_bytes"])
-            and s,
+            lambda: (
+                (s := env.stats(workers=True))["descendants"] == 4
+                and not math.isnan(s["tree_pss_bytes"])
+                and s
+            ),
             "a sample of both trees with their DataLoader workers",
         )
         for slot, pid in enumerate(pids):
