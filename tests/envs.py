@@ -61,6 +61,7 @@ class ToyEnv(EnvBase):
         die_flag: str | None = None,
         step_gate: str | None = None,
         die_in_init_if: str | None = None,
+        grow_mb_per_step: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(batch_size=torch.Size([]), **kwargs)
@@ -92,6 +93,9 @@ class ToyEnv(EnvBase):
         #: In a worker, each step records "stepping" (with ``pid_dir``) and then waits until the
         #: file ``step_gate`` exists: the test decides when the step may end.
         self.step_gate = step_gate
+        #: Each step keeps this many more MiB, every page touched (resident), until it dies.
+        self.grow_mb_per_step = grow_mb_per_step
+        self._kept: list[bytes] = []
         self._steps = 0
         self._iter: Any = None
         self._loader: Any = None
@@ -215,6 +219,8 @@ class ToyEnv(EnvBase):
         due = self.die_flag and self._steps == self.die_once_at_step and self._in_worker()
         if due and _claim(str(self.die_flag)):  # else another incarnation died here already
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.grow_mb_per_step:
+            self._kept.append(b"\x01" * (self.grow_mb_per_step << 20))
         if self.hold_gil:
             if self.pid_dir:
                 self._record("stepping", os.getpid())

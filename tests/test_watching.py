@@ -8,6 +8,7 @@ import os
 import pickle
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import pytest
 from tests.conftest import start_kwargs
 from tests.envs import make_env
 from tests.polling import wait_until
-from torchrl_ext import ManagedParallelEnv, WorkerHungError
+from torchrl_ext import ManagedParallelEnv, WorkerDiedError, WorkerHungError, _platform
 
 #: The default path and fork (what the issue names); spawn and forkserver start the same code.
 STARTS = ["preloaded", pytest.param("fork", marks=pytest.mark.compat)]
@@ -248,5 +249,96 @@ def test_stacks_of_a_worker_stuck_in_a_c_call_that_holds_the_gil() -> None:
         with pytest.raises(WorkerHungError) as info:
             env.step(env.rand_action(td))
         assert info.value.stacks is not None and "in _step" in info.value.stacks, info.value.stacks
+    finally:
+        env.close(raise_if_closed=False)
+
+
+# --------------------------------------------------------------------------- OOM kills named
+@pytest.fixture
+def memory_cgroup(tmp_path: Path) -> Iterator[Path]:
+    """A fresh memory cgroup under this process's own (skipped where none can be made)."""
+    parent = _platform.memory_cgroup(os.getpid())
+    if parent is None:
+        pytest.skip("no memory cgroup here (cgroup v2, or v1's memory controller) to count OOM kills in")
+    path = Path(parent) / f"torchrl-ext-test-{os.getpid()}-{tmp_path.name}"
+    try:
+        path.mkdir()
+    except OSError as err:
+        pytest.skip(f"cannot create a memory cgroup under {parent} ({err.strerror}): needs root")
+    try:
+        if not ((path / "memory.max").exists() or (path / "memory.limit_in_bytes").exists()):
+            pytest.skip(f"the memory controller is not enabled for {parent}'s children")
+        yield path
+    finally:
+        # Its processes were OOM-killed (or move back with the test's end); then it can go.
+        wait_until(lambda: not (path / "cgroup.procs").read_text().split(), f"{path} empty", timeout=30)
+        path.rmdir()
+
+
+def _limit_and_join(cgroup: Path, pid: int, headroom_mb: int) -> int:
+    """Cap ``cgroup`` at ``pid``'s RSS plus ``headroom_mb`` MiB, then move ``pid`` into it."""
+    limit = psutil.Process(pid).memory_info().rss + (headroom_mb << 20)
+    name = "memory.max" if (cgroup / "memory.max").exists() else "memory.limit_in_bytes"
+    (cgroup / name).write_text(str(limit))
+    (cgroup / "cgroup.procs").write_text(str(pid))
+    return limit
+
+
+@pytest.mark.parametrize("method", ["preloaded", "fork"])
+def test_an_oom_kill_is_named_in_the_record_and_the_error(method: str, memory_cgroup: Path) -> None:
+    env = ManagedParallelEnv(
+        2,
+        make_env,
+        create_env_kwargs=[{}, {"grow_mb_per_step": 32}],
+        daemon_workers=False,
+        max_restarts=1,
+        **start_kwargs(method),
+    )
+    try:
+        td = env.reset()
+        victim = env.worker_pids[1]
+        limit = _limit_and_join(memory_cgroup, victim, headroom_mb=100)
+        # Slot 1 keeps 32 MiB more per step: the kernel's OOM killer ends it within a few steps.
+        for _ in range(40):
+            if env.restarts:
+                break
+            td = env.step_and_maybe_reset(env.rand_action(td))[1]
+        (record,) = env.restarts
+        assert record.old_pid == victim and record.cause == -signal.SIGKILL
+        assert record.oom is not None and record.oom.cgroup == str(memory_cgroup)
+        assert record.oom.limit is not None and abs(record.oom.limit - limit) < 1 << 20  # page-rounded
+        assert env.stats()["deaths"] == 1
+    finally:
+        env.close(raise_if_closed=False)
+
+
+def test_an_oom_kill_without_restarts_says_so_and_a_kill_by_hand_does_not(memory_cgroup: Path) -> None:
+    env = ManagedParallelEnv(
+        2,
+        make_env,
+        create_env_kwargs=[{}, {"grow_mb_per_step": 32}],
+        daemon_workers=False,
+        mp_start_method="fork",
+    )
+    try:
+        td = env.reset()
+        _limit_and_join(memory_cgroup, env.worker_pids[1], headroom_mb=100)
+        with pytest.raises(WorkerDiedError) as info:
+            for _ in range(40):
+                td = env.step_and_maybe_reset(env.rand_action(td))[1]
+        err = info.value
+        assert err.exitcode == -signal.SIGKILL and err.oom is not None
+        assert "kernel's OOM killer" in str(err) and str(memory_cgroup) in str(err)
+        assert pickle.loads(pickle.dumps(err)).oom == err.oom
+    finally:
+        env.close(raise_if_closed=False)
+    env = ManagedParallelEnv(2, make_env, daemon_workers=False, mp_start_method="fork")
+    try:
+        td = env.reset()
+        os.kill(env.worker_pids[0], signal.SIGKILL)  # in the test's own cgroup: no OOM kill counted
+        with pytest.raises(WorkerDiedError) as info:
+            wait_until(lambda: env.stats()["deaths"] == 1, "the death noticed")
+            env.step(env.rand_action(td))
+        assert info.value.oom is None and "likely out of memory" in str(info.value)
     finally:
         env.close(raise_if_closed=False)

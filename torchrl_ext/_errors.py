@@ -6,6 +6,7 @@ See ``docs/troubleshooting.md`` for every error's cause and fix.
 from __future__ import annotations
 
 import signal
+from dataclasses import dataclass
 from typing import Any
 
 from ._platform import signal_name
@@ -13,6 +14,7 @@ from ._platform import signal_name
 __all__ = [
     "DaemonicParentError",
     "DaemonicWorkerError",
+    "OomKill",
     "PreloadError",
     "RemoteTraceback",
     "WorkerDiedError",
@@ -65,6 +67,32 @@ def hint_for_exitcode(exitcode: int | None) -> str:
     )
 
 
+@dataclass(frozen=True)
+class OomKill:
+    """The kernel's OOM killer killed a worker: its memory cgroup counted the kill.
+
+    Example:
+        >>> str(OomKill("/sys/fs/cgroup/job", limit=2 << 30, tree_rss=None))
+        "the kernel's OOM killer (memory cgroup /sys/fs/cgroup/job, limit 2048 MiB)"
+    """
+
+    #: The cgroup directory whose ``oom_kill`` count grew at the worker's death.
+    cgroup: str
+    #: Its memory limit in bytes (``None``: none set there; a parent cgroup's may have applied).
+    limit: int | None
+    #: The worker's tree (it and its descendants) at the last sample, bytes (``None``: not sampled).
+    tree_rss: int | None
+
+    def __str__(self) -> str:
+        limit = "no limit of its own" if self.limit is None else f"limit {self.limit >> 20} MiB"
+        rss = (
+            ""
+            if self.tree_rss is None
+            else f"; the worker's tree had {self.tree_rss >> 20} MiB resident at the last sample"
+        )
+        return f"the kernel's OOM killer (memory cgroup {self.cgroup}, {limit}{rss})"
+
+
 class RemoteTraceback(Exception):
     """Carries the formatted traceback of an exception raised inside a worker process.
 
@@ -100,12 +128,15 @@ class WorkerDiedError(RuntimeError):
         exitcode: int | None,
         last_command: str | None = None,
         detail: str | None = None,
+        oom: OomKill | None = None,
     ) -> None:
         self.worker_index = worker_index
         self.pid = pid
         self.exitcode = exitcode
         self.last_command = last_command
         self.detail = detail
+        #: Set when the worker's memory cgroup counted an OOM kill at its death (see OomKill).
+        self.oom = oom
         self.hint = self._hint()
         message = self._message()
         if detail:
@@ -113,6 +144,11 @@ class WorkerDiedError(RuntimeError):
         super().__init__(message)
 
     def _hint(self) -> str:
+        if self.oom is not None:
+            return (
+                f"SIGKILL by {self.oom}. Give the job more memory, or lower `num_workers`, the "
+                "DataLoader's `num_workers`/`prefetch_factor`, or what each episode keeps in memory."
+            )
         return hint_for_exitcode(self.exitcode)
 
     def _message(self) -> str:
@@ -126,7 +162,7 @@ class WorkerDiedError(RuntimeError):
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             type(self),
-            (self.worker_index, self.pid, self.exitcode, self.last_command, self.detail),
+            (self.worker_index, self.pid, self.exitcode, self.last_command, self.detail, self.oom),
         )
 
 

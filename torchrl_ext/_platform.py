@@ -263,6 +263,71 @@ def shm_size(path: str = "/dev/shm") -> int | None:
     return stat.f_frsize * stat.f_blocks
 
 
+#: Where cgroup hierarchies are mounted: v2 (unified) first, then v1's memory controller.
+_CGROUP_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
+_CGROUP_V1_MEMORY = "/sys/fs/cgroup/memory"
+
+
+def memory_cgroup(pid: int) -> str | None:
+    """The directory of ``pid``'s memory cgroup whose OOM kills can be counted (v2's
+    ``memory.events``, or v1's ``memory.oom_control``); ``None`` off Linux or if unreadable.
+
+    Example:
+        >>> path = memory_cgroup(os.getpid())
+        >>> path is None or os.path.isdir(path)
+        True
+    """
+    try:
+        with open(f"/proc/{pid}/cgroup", encoding="ascii") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, _sep, rest = line.partition(":")
+        controllers, _sep, path = rest.partition(":")
+        roots: tuple[str, ...]
+        if hierarchy == "0" and controllers == "":
+            roots, marker = _CGROUP_ROOTS, "memory.events"
+        elif "memory" in controllers.split(","):
+            roots, marker = (_CGROUP_V1_MEMORY,), "memory.oom_control"
+        else:
+            continue
+        for root in roots:
+            for candidate in (os.path.join(root, path.lstrip("/")), root):  # a cgroup namespace shows "/"
+                if os.path.exists(os.path.join(candidate, marker)):
+                    return candidate
+    return None
+
+
+def cgroup_oom_kills(cgroup: str) -> int | None:
+    """How many processes the kernel's OOM killer has killed in ``cgroup`` (``None``: unknown)."""
+    for name in ("memory.events", "memory.oom_control"):
+        try:
+            with open(os.path.join(cgroup, name), encoding="ascii") as fh:
+                for line in fh:
+                    key, _sep, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def cgroup_memory_limit(cgroup: str) -> int | None:
+    """``cgroup``'s memory limit in bytes (v2 ``memory.max``, v1 ``memory.limit_in_bytes``);
+    ``None`` when unlimited or unreadable."""
+    for name in ("memory.max", "memory.limit_in_bytes"):
+        try:
+            with open(os.path.join(cgroup, name), encoding="ascii") as fh:
+                value = fh.read().strip()
+        except OSError:
+            continue
+        if value == "max" or not value.isdigit() or int(value) >= 1 << 62:
+            return None  # v1 writes "unlimited" as a page-rounded huge number
+        return int(value)
+    return None
+
+
 def open_files_limit() -> tuple[int, int]:
     """``(soft, hard)`` limit on open file descriptors (``ulimit -n``); ``-1`` means unlimited."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

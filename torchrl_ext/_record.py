@@ -13,6 +13,7 @@ sets ``hung`` and ``hang_timeout`` (through ``WorkerSupervisor.kill_hung``) befo
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ import psutil
 
 from . import _cpython, _identity, _platform
 from ._channel import ParentChannel
+from ._errors import OomKill
 
 __all__ = ["Loss", "WorkerRecord"]
 
@@ -64,6 +66,12 @@ class WorkerRecord:
     hang_timeout: float = 0.0
     #: What the hung worker's threads were doing when it was killed (``_stacks``), if it said.
     stacks: str | None = None
+    #: Its memory cgroup and that cgroup's OOM-kill count, as of the last refresh (``None``:
+    #: unknown); compared at its death (:meth:`oom_kill`).
+    cgroup: str | None = None
+    oom_kills: int | None = None
+    #: Set at its death when the kernel's OOM killer killed it.
+    oom: OomKill | None = None
     #: ``time.monotonic()`` when its exit was noticed.
     lost_at: float = 0.0
     #: Set once its exit has been handled (tree killed, failure recorded).
@@ -92,16 +100,28 @@ class WorkerRecord:
             self.channel,
         )
 
-    def refresh_descendants(self) -> None:
-        """Forget descendants that ended (a DataLoader per reset starts new ones every episode)
-        and add the new ones. A new dict replaces the old one, so readers in other threads never
-        see it change size under them."""
+    def refresh(self) -> None:
+        """While it runs: forget descendants that ended (a DataLoader per reset starts new ones
+        every episode) and add the new ones (a new dict replaces the old one, so readers in
+        other threads never see it change size under them); read its cgroup's OOM-kill count."""
+        self.cgroup = _platform.memory_cgroup(self.pid)
+        self.oom_kills = None if self.cgroup is None else _platform.cgroup_oom_kills(self.cgroup)
         descendants = {k: proc for k, proc in self.descendants.items() if _identity.alive(proc)}
         for proc in _identity.descendants(self.pid):
             key = _identity.key_of(proc)
             if key is not None:
                 descendants.setdefault(key, proc)
         self.descendants = descendants
+
+    def oom_kill(self, tree_rss: int | None) -> OomKill | None:
+        """Once it died of SIGKILL: whether its cgroup counted an OOM kill since the last refresh
+        (``tree_rss``: its tree's last sampled RSS, for the message)."""
+        if self.exitcode != -signal.SIGKILL or self.cgroup is None or self.oom_kills is None:
+            return None
+        now = _platform.cgroup_oom_kills(self.cgroup)
+        if now is None or now <= self.oom_kills:
+            return None
+        return OomKill(self.cgroup, _platform.cgroup_memory_limit(self.cgroup), tree_rss)
 
     def exited(self) -> bool:
         """Whether multiprocessing has collected its exit (cheap; no identity check)."""

@@ -33,7 +33,7 @@ from ._channel import is_forwarded_call
 from ._compat import PER_START_KWARGS, WORKER_KWARGS, ConfiguredKwargs, Upstream, is_worker_entry
 from ._cpython import process_kwargs, process_start_method, process_target, set_process_kwargs
 from ._done_signal import Answers, DoneSignal
-from ._errors import WorkerDiedError, WorkerHungError
+from ._errors import OomKill, WorkerDiedError, WorkerHungError
 from ._marks import clear_marks, clear_root_marks, mark_transition
 from ._options import Options
 from ._record import Loss
@@ -85,6 +85,8 @@ class RestartRecord:
     ready_after: float
     #: A hung worker's stacks, every thread, when it was killed (see ``WorkerHungError.stacks``).
     stacks: str | None = None
+    #: Set when the kernel's OOM killer killed the old worker (see ``WorkerDiedError.oom``).
+    oom: OomKill | None = None
 
     def __str__(self) -> str:
         from ._errors import format_exitcode
@@ -290,7 +292,9 @@ class RestartEngine:
                 lost.index, lost.pid, failure.last_command, failure.timeout, detail, failure.stacks
             )
         elif isinstance(failure, WorkerDiedError):
-            failure = WorkerDiedError(lost.index, lost.pid, lost.exitcode, failure.last_command, detail)
+            failure = WorkerDiedError(
+                lost.index, lost.pid, lost.exitcode, failure.last_command, detail, failure.oom
+            )
         elif failure is None:
             failure = WorkerDiedError(lost.index, lost.pid, lost.exitcode, lost.channel.last_command, detail)
         elif self.on:
@@ -336,6 +340,7 @@ class RestartEngine:
                     time.time() - waited,
                     waited,
                     stacks=getattr(lost.failure, "stacks", None),
+                    oom=getattr(lost.failure, "oom", None),
                 )
                 self.restarts.append(record)
                 log.warning(

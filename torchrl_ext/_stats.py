@@ -188,6 +188,11 @@ class TreeSampler:
         #: ``time.monotonic()`` of the last ``stats()`` read (written by readers).
         self.read_at = -math.inf
 
+    def rss_of(self, worker: WorkerRecord) -> int | None:
+        """The last sampled RSS of ``worker``'s tree (``None``: never sampled)."""
+        sample = self.samples.get(worker.index)
+        return sample.rss if sample is not None and sample.pid == worker.pid else None
+
     def maybe_sample(self, workers: Iterable[WorkerRecord]) -> None:
         """Sample the tree of each of ``workers`` (live ones) if due."""
         now = time.monotonic()

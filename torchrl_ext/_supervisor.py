@@ -254,7 +254,7 @@ class WorkerSupervisor:
         with self._lock:
             live = [w for w in self._workers if not w.finished]
         for worker in live:
-            worker.refresh_descendants()
+            worker.refresh()
         if self.stats is not None:
             self.stats.sampler.maybe_sample(live)
 
@@ -284,6 +284,7 @@ class WorkerSupervisor:
 
     def _handle_exit(self, worker: WorkerRecord, closing: bool) -> None:
         worker.exitcode = worker.read_exitcode()
+        worker.oom = worker.oom_kill(self.stats.sampler.rss_of(worker) if self.stats else None)
         if closing:
             return
         failure = self._failure_for(worker)
@@ -322,7 +323,7 @@ class WorkerSupervisor:
             )
         report = read_report(self.report_path(worker.index))
         if report is None:
-            return WorkerDiedError(worker.index, worker.pid, worker.exitcode, last_command)
+            return WorkerDiedError(worker.index, worker.pid, worker.exitcode, last_command, oom=worker.oom)
         return rebuild_exception(report, worker.index, worker.pid)
 
     def _tree_of(self, workers: list[WorkerRecord], recent: list[WorkerRecord]) -> list[psutil.Process]:
