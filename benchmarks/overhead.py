@@ -2,7 +2,9 @@
 
 Four measurements, every trial in a fresh interpreter, the two classes interleaved:
 
-* steps/s on a trivial env (2 workers, median of interleaved repeats, paired ratio);
+* steps/s on a trivial env (2 workers, median of interleaved repeats, paired ratio), and the
+  same for ManagedParallelEnv with its statistics off (``collect_stats=False``) against on
+  (read with ``stats(workers=True)`` every 100 steps, as a ``LoggerMonitor`` would);
 * ``close()`` time while every worker holds a persistent ``DataLoader(num_workers=2)``
   (upstream built with ``daemon=False`` so its workers may have children at all);
 * worker-death detection: SIGKILL worker 0 mid-rollout, time until the rollout raises;
@@ -45,6 +47,8 @@ from torchrl.envs import EnvBase
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 CLASSES = ("upstream", "managed")
+#: Throughput trials also run the managed env with ``collect_stats=False``.
+THROUGHPUT_KINDS = (*CLASSES, "managed_nostats")
 
 
 # ================================================================= the env (importable by reference)
@@ -148,8 +152,11 @@ def _build(kind: str, loader: bool, workers: int) -> Any:
     from torchrl_ext import ManagedParallelEnv
 
     fn = functools.partial(make_trivial_env_ref(), loader=loader)
-    if kind == "managed":
-        return ManagedParallelEnv(workers, fn, daemon_workers=False, mp_start_method="fork")
+    if kind.startswith("managed"):
+        stats = kind == "managed"
+        return ManagedParallelEnv(
+            workers, fn, daemon_workers=False, mp_start_method="fork", collect_stats=stats
+        )
     return ParallelEnv(workers, fn, mp_start_method="fork", daemon=not loader)
 
 
@@ -161,11 +168,13 @@ def make_trivial_env_ref() -> Any:
     return overhead.make_trivial_env
 
 
-def _rollout(env: Any, steps: int) -> None:
+def _rollout(env: Any, steps: int, read_stats: bool = False) -> None:
     td = env.reset()
-    for _ in range(steps):
+    for i in range(steps):
         td.set("action", env.action_spec.rand())
         _, td = env.step_and_maybe_reset(td)
+        if read_stats and i % 100 == 0:
+            env.stats(workers=True)
 
 
 def _tree_cpu() -> float:
@@ -183,7 +192,7 @@ def trial_throughput(kind: str, steps: int, workers: int) -> dict[str, Any]:
         _rollout(env, 300)  # warm-up
         busy, mine = system_busy(), _tree_cpu()
         t = time.perf_counter()
-        _rollout(env, steps)
+        _rollout(env, steps, read_stats=kind == "managed")
         elapsed = time.perf_counter() - t
         external = (system_busy() - busy - (_tree_cpu() - mine)) / elapsed
     finally:
@@ -374,8 +383,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("close", args.close_repeats),
         ("death", args.death_repeats),
     ):
+        kinds = THROUGHPUT_KINDS if mode == "throughput" else CLASSES
         for r in range(repeats):
-            order = CLASSES if r % 2 == 0 else CLASSES[::-1]
+            order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]  # each kind first in turn
             for kind in order:
                 plan.append(
                     {
@@ -413,9 +423,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             r.get(key) for s, r in results if s["mode"] == mode and s["kind"] == kind and "failed" not in r
         ]
 
-    sps = {k: pick("throughput", k, "steps_per_s") for k in CLASSES}
+    sps = {k: pick("throughput", k, "steps_per_s") for k in THROUGHPUT_KINDS}
     paired = [m / u for u, m in zip(sps["upstream"], sps["managed"], strict=False)]
     ratio = _med(paired)
+    stats_ratio = _med([on / off for on, off in zip(sps["managed"], sps["managed_nostats"], strict=False)])
     close_med = {k: _med(pick("close", k, "close_s")) for k in CLASSES}
     elapsed = time.perf_counter() - started
     lines = [
@@ -436,6 +447,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines.append(
         f"| steps/s, trivial env (median of {args.repeats}) | {_fmt(up, '', 0)} | {_fmt(man, '', 0)} | "
         f"{_fmt(ratio, 'x', 3)} (median of paired ratios) |"
+    )
+    off = _med(sps["managed_nostats"])
+    lines.append(
+        f"| steps/s, ManagedParallelEnv with statistics on / off (`collect_stats=False`) | | "
+        f"{_fmt(man, '', 0)} / {_fmt(off, '', 0)} | {_fmt(stats_ratio, 'x', 3)} on / off (paired) |"
     )
     c_up, c_man = close_med["upstream"], close_med["managed"]
     lines.append(
@@ -459,8 +475,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     errors = {k: sorted({str(e) for e in pick("death", k, "error")}) for k in CLASSES}
     lines.append(f"Exception on worker death: upstream {errors['upstream']}; managed {errors['managed']}.")
     lines.append("")
-    raw_up, raw_man = [round(v) for v in sps["upstream"]], [round(v) for v in sps["managed"]]
-    lines.append(f"Raw steps/s (trial order): upstream {raw_up}; managed {raw_man}.")
+    raw = {k: [round(v) for v in sps[k]] for k in THROUGHPUT_KINDS}
+    lines.append(
+        f"Raw steps/s (trial order): upstream {raw['upstream']}; managed {raw['managed']}; "
+        f"managed, statistics off {raw['managed_nostats']}."
+    )
     lines.append("")
     for kind in CLASSES:
         raw = {key: [_round(v) for v in pick(mode, kind, key)] for mode, key in RAW_KEYS}
@@ -479,6 +498,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines.append(
         f"* Managed >= 0.97x ParallelEnv steps/s: {_fmt(ratio, 'x')} -> {'met' if t1 else 'NOT met'}"
     )
+    t3 = stats_ratio is not None and stats_ratio >= 0.99
+    lines.append(f"* statistics on >= 0.99x off: {_fmt(stats_ratio, 'x')} -> {'met' if t3 else 'NOT met'}")
     lines.append(
         f"* close() of healthy DataLoader-holding workers faster than upstream: {_fmt(c_man)} s vs "
         f"{_fmt(c_up)} s -> {'met' if t2 else 'NOT met'}"

@@ -1,4 +1,5 @@
-"""Command line: ``python -m torchrl_ext doctor [--json]`` and
+"""Command line: ``python -m torchrl_ext doctor [--json]``,
+``python -m torchrl_ext status [--json] [--watch SECONDS]`` and
 ``python -m torchrl_ext sweep [--kill] [--grace SECONDS]``."""
 
 from __future__ import annotations
@@ -50,9 +51,22 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="judge whether PID 1 reaps by its name instead of making one short-lived test orphan",
     )
+    status = sub.add_parser(
+        "status",
+        help="list the managed envs running on this machine, one line per worker",
+        description="Every open ManagedParallelEnv on this machine whose owner runs (from the "
+        "status its supervisor publishes about once a second): owner, env, and per worker its "
+        "pid, state, CPU %%, tree RSS (the worker and its descendants), children, restarts and "
+        "the env's last step latency. Exit code 0.",
+    )
+    status.add_argument("--json", action="store_true", help="print the envs as JSON")
+    status.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="repeat every SECONDS")
+    status.add_argument("--runtime-dir", default=None, help="where the torchrl_ext-* directories are")
     args = parser.parse_args(argv)
     if args.command == "doctor":
         return _doctor(json_output=args.json, orphan_test=not args.no_orphan_test)
+    if args.command == "status":
+        return _status(json_output=args.json, watch=args.watch, base=args.runtime_dir)
 
     from ._sweep import sweep_orphans
 
@@ -74,6 +88,28 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     out.write(f"ended {len(found)} orphaned process(es)\n")
     return 0
+
+
+def _status(*, json_output: bool, watch: float | None, base: str | None) -> int:
+    import time
+
+    from ._status import as_json, format_table, read_envs
+
+    while True:
+        envs = read_envs(base)
+        text = as_json(envs) if json_output else format_table(envs)
+        if watch is not None and not json_output:
+            text = (
+                "\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + f"every {watch:g}s (Ctrl-C to stop)\n" + text
+            )
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        if watch is None:
+            return 0
+        try:
+            time.sleep(watch)
+        except KeyboardInterrupt:
+            return 0
 
 
 def _doctor(*, json_output: bool, orphan_test: bool) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,9 +24,10 @@ import psutil
 
 from . import _cpython, _identity, _platform
 from ._channel import ParentChannel
-from ._errors import OomKill
+from ._errors import OomKill, WorkerDiedError
+from ._wire import read_report, rebuild_exception
 
-__all__ = ["Loss", "WorkerRecord"]
+__all__ = ["Loss", "WorkerRecord", "startup_failure"]
 
 
 @dataclass(frozen=True)
@@ -182,3 +184,30 @@ class WorkerRecord:
         proc = _identity.same_process(self.pid, self.create_time)
         if proc is not None:
             _identity.reap_if_child([proc])
+
+
+def startup_failure(
+    workers: Sequence[WorkerRecord], report_path: Callable[[int], str]
+) -> BaseException | None:
+    """The error that explains a failed start of ``workers``: the earliest env exception (from
+    the report files ``report_path(index)``), else a death.
+
+    ``None`` when no worker raised and none died abnormally: a worker that reported a problem
+    through TorchRL's own protocol and exited 0 leaves TorchRL's error in charge.
+    """
+    reports = []
+    for worker in workers:
+        report = read_report(report_path(worker.index))
+        if report is not None:
+            reports.append((float(report.get("time", 0.0)), worker.index, worker, report))
+    if reports:
+        _t, _i, first, report = min(reports, key=lambda item: item[:2])
+        return rebuild_exception(report, first.index, first.pid)
+    for worker in workers:
+        if worker.finished or worker.gone():
+            code = worker.read_exitcode()
+            if code != 0:
+                return WorkerDiedError(
+                    worker.index, worker.pid, code, "start-up", detail="it died while starting"
+                )
+    return None

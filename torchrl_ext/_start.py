@@ -215,6 +215,7 @@ class EnvState:
 
     def __post_init__(self) -> None:
         self.engine = RestartEngine(self.options)
+        self.stats.restarts = self.engine.restarts
 
     def __reduce__(self) -> tuple[Any, ...]:
         # As before the redesign: a copy (a collector worker's) starts its workers by TorchRL's

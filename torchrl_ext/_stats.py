@@ -60,6 +60,13 @@ class LatencyWindow:
     def add(self, seconds: float) -> None:
         self._values.append(seconds)
 
+    def last(self) -> float | None:
+        """The latest duration (``None`` before the first call)."""
+        try:
+            return self._values[-1]
+        except IndexError:
+            return None
+
     def summary(self, name: str) -> dict[str, float]:
         """``{name}_ms_p50``, ``_p95`` and ``_max`` (NaN before the first call)."""
         values = sorted(self._values.copy())  # deque.copy() is atomic under the GIL
@@ -193,11 +200,11 @@ class TreeSampler:
         sample = self.samples.get(worker.index)
         return sample.rss if sample is not None and sample.pid == worker.pid else None
 
-    def maybe_sample(self, workers: Iterable[WorkerRecord]) -> None:
-        """Sample the tree of each of ``workers`` (live ones) if due."""
+    def maybe_sample(self, workers: Iterable[WorkerRecord]) -> bool:
+        """Sample the tree of each of ``workers`` (live ones) if due; whether it did."""
         now = time.monotonic()
         if now < self._next:
-            return
+            return False
         self._next = now + SAMPLE_INTERVAL
         first = not self.samples
         pss = now >= self._next_pss and (first or now - self.read_at < 6 * PSS_INTERVAL)
@@ -214,6 +221,7 @@ class TreeSampler:
                 sample = dataclasses.replace(sample, pss=previous.pss)  # the last PSS stands
             samples[slot] = sample
         self.samples = samples
+        return True
 
 
 @dataclass
@@ -227,6 +235,27 @@ class EnvStats:
     #: Serializes ``stats(reset=True)`` callers (the calling thread's counters are read, then
     #: cleared, by one reader at a time).
     reading: threading.Lock = field(default_factory=threading.Lock)
+    #: The restart engine's records (append-only; the same list, set with the engine).
+    restarts: list[Any] = field(default_factory=list)
+    #: Set by each start's supervisor (:meth:`bind`): its label, and where ``python -m
+    #: torchrl_ext status`` reads this env (in the start's report directory).
+    label: str = ""
+    status_path: str | None = None
+
+    def bind(self, label: str, status_path: str) -> None:
+        self.label, self.status_path = label, status_path
+
+    def observe(self, workers: Sequence[WorkerRecord], owner: tuple[int, float]) -> None:
+        """From the supervisor's thread: sample the live ``workers``' trees if due, and then
+        publish the env's status for ``python -m torchrl_ext status`` (``_status``)."""
+        if not self.sampler.maybe_sample(workers) or self.status_path is None:
+            return
+        from ._status import publish
+
+        restarts = list(self.restarts)
+        rows = [(w.index, w.pid, w.create_time, sum(r.slot == w.index for r in restarts)) for w in workers]
+        last = self.calls.step_latency.last()
+        publish(self.status_path, self.label, owner, rows, None if last is None else 1e3 * last)
 
 
 def snapshot(

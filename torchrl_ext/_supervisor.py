@@ -33,7 +33,7 @@ from . import _identity, _reaper_client, _stacks
 from ._channel import ParentChannel, RestartableChannel
 from ._done_signal import DoneSignal
 from ._errors import WorkerDiedError, WorkerHungError, format_exitcode
-from ._record import Loss, WorkerRecord
+from ._record import Loss, WorkerRecord, startup_failure
 from ._report import SupervisionReport, WorkerOutcome
 from ._shutdown import close_workers
 from ._stats import EnvStats
@@ -63,7 +63,7 @@ class WorkerSupervisor:
     ) -> None:
         self.tag = tag
         #: The env's statistics (``None``: not collected): the watcher counts losses there and
-        #: samples the workers' trees into it.
+        #: samples the workers' trees into it (and publishes the env's status: ``_status``).
         self.stats = stats
         self.owner_pid = os.getpid()
         self.shutdown_timeout = shutdown_timeout
@@ -78,6 +78,8 @@ class WorkerSupervisor:
         self._wake_r, self._wake_w = os.pipe()
         #: Where workers say "done" and where a death wakes the env's waiting main thread.
         self.done_signal = DoneSignal(os.path.join(self.report_dir, "done.fifo"))
+        if stats is not None:
+            stats.bind(label, os.path.join(self.report_dir, "status.json"))
         self._thread: threading.Thread | None = None
         self.first_failure: BaseException | None = None
         #: With restarts on (set once, by :meth:`enable_restarts`, before :meth:`attach`): lost
@@ -256,7 +258,7 @@ class WorkerSupervisor:
         for worker in live:
             worker.refresh()
         if self.stats is not None:
-            self.stats.sampler.maybe_sample(live)
+            self.stats.observe(live, self.tag.owner)
 
     def poll(self) -> None:
         """Synchronously notice workers that have exited (cheap: one select)."""
@@ -349,28 +351,8 @@ class WorkerSupervisor:
         return len(killed)
 
     def startup_failure(self) -> BaseException | None:
-        """The error that explains a failed start: the earliest env exception, else a death.
-
-        ``None`` when no worker raised and none died abnormally: a worker that reported a
-        problem through TorchRL's own protocol and exited 0 leaves TorchRL's error in charge.
-        """
-        reports = []
-        for worker in self._workers:
-            report = read_report(self.report_path(worker.index))
-            if report is not None:
-                reports.append((float(report.get("time", 0.0)), worker.index, worker, report))
-        if reports:
-            _t, _i, worker, report = min(reports, key=lambda item: item[:2])
-            return rebuild_exception(report, worker.index, worker.pid)
-        for worker in self._workers:
-            if worker.finished or worker.gone():
-                code = worker.read_exitcode()
-                if code == 0:
-                    continue
-                return WorkerDiedError(
-                    worker.index, worker.pid, code, "start-up", detail="it died while starting"
-                )
-        return None
+        """The error that explains a failed start (see :func:`_record.startup_failure`)."""
+        return startup_failure(self._workers, self.report_path)
 
     # ------------------------------------------------------------------ failures
     def failure(self, wait: float | None = None, *, losses: bool = False) -> BaseException | None:

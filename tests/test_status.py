@@ -1,0 +1,97 @@
+"""``python -m torchrl_ext status``: every managed env on this machine, per worker."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import child_env, kill_tree, start_kwargs
+from tests.envs import make_env
+from tests.polling import wait_until
+from torchrl_ext import ManagedParallelEnv
+from torchrl_ext._status import as_json, read_envs
+
+
+def _status(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torchrl_ext", "status", *args],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _mine(envs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [env for env in envs if env["owner_pid"] == os.getpid()]
+
+
+def _listed(expected_pids: list[int], **expect: Any) -> Any:
+    """Poll the status (as ``status --json`` reads it) until this process's one env lists ``expected_pids`` (and, per
+    worker, the ``expect`` fields); return that env."""
+
+    def check() -> Any:
+        (env,) = _mine(json.loads(as_json(read_envs()))) or [None]  # what `status --json` prints
+        if env is None or [w["pid"] for w in env["workers"]] != expected_pids:
+            return None
+        if any(w[key] != value for w in env["workers"] for key, value in expect.items()):
+            return None
+        return env
+
+    return wait_until(check, f"status lists workers {expected_pids} with {expect}")
+
+
+@pytest.mark.parametrize("method", ["preloaded", "fork"])
+def test_status_lists_each_worker_with_its_tree_and_restarts(method: str) -> None:
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, loader="persistent", dl_context="fork"),
+        daemon_workers=False,
+        max_restarts=1,
+        **start_kwargs(method),
+    )
+    try:
+        td = env.reset()
+        listed = _listed(env.worker_pids, children=2)
+        assert listed["label"].startswith("ManagedParallelEnv[") and "pytest" in listed["command"]
+        for slot, worker in enumerate(listed["workers"]):
+            assert worker["slot"] == slot and worker["state"] != "gone" and worker["restarts"] == 0
+            assert worker["tree_rss"] > 0 and worker["cpu_percent"] >= 0
+        proc = _status("--json")  # the command itself, once
+        assert proc.returncode == 0 and _mine(json.loads(proc.stdout)), proc.stderr
+        text = _status().stdout
+        assert "RESTARTS" in text and all(str(pid) in text for pid in env.worker_pids), text
+        victim = env.worker_pids[1]
+        os.kill(victim, signal.SIGKILL)
+        env.step(env.rand_action(td))
+        after = _listed(env.worker_pids)
+        assert [w["restarts"] for w in after["workers"]] == [0, 1] and victim not in env.worker_pids
+    finally:
+        env.close(raise_if_closed=False)
+    assert not _mine(json.loads(as_json(read_envs()))), "the closed env is gone from status"
+
+
+def test_status_watch_repeats_until_interrupted(tmp_path: Path) -> None:
+    out = tmp_path / "watch.txt"
+    with out.open("w") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torchrl_ext", "status", "--watch", "0.2"],
+            env=child_env(),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_until(lambda: out.read_text().count("every 0.2s") >= 2, "two frames of status --watch")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
