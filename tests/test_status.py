@@ -35,8 +35,8 @@ def _mine(envs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _listed(expected_pids: list[int], **expect: Any) -> Any:
-    """Poll the status (as ``status --json`` reads it) until this process's one env lists ``expected_pids`` (and, per
-    worker, the ``expect`` fields); return that env."""
+    """Poll the status (what ``status --json`` prints) until this process's one env lists
+    ``expected_pids`` (and, per worker, the ``expect`` fields); return that env."""
 
     def check() -> Any:
         (env,) = _mine(json.loads(as_json(read_envs()))) or [None]  # what `status --json` prints
