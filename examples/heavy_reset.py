@@ -3,13 +3,15 @@
 The env (``LogReplayEnv`` from ``examples/log_replay.py``) replays one logged episode per
 reset. Its episodes come from ``torchrl_ext.data.EpisodeLoader``: a DataLoader with
 ``num_workers=2`` inside every env worker, which reads and parses the next files while the
-current episode runs. Upstream ``ParallelEnv`` workers are daemonic and may not start those
-DataLoader workers; ``ManagedParallelEnv(..., daemon_workers=False)`` allows it and, on
-``close()``, ends every process of the tree. The demo prints the throughput, what closing took,
-and checks that no process was left behind (exit code 1 if one was).
+current episode runs. It runs on the default start path (what the import swap alone gives on
+TorchRL >= 0.11: workers forked from the preloaded server; ``--start-method`` picks another).
+The demo prints the throughput, the env's ``stats()``, what closing took, and then, side by
+side with upstream ``ParallelEnv`` (its own default start method) on the same env, the start
+time and what a SIGKILL of a worker leaves behind. It checks that no process was left behind
+(exit code 1 if one was).
 
-    python examples/heavy_reset.py            # under a minute on 2 cores
-    python examples/heavy_reset.py --quick    # about 15 seconds
+    python examples/heavy_reset.py            # about a minute on 2 cores
+    python examples/heavy_reset.py --quick    # about 30 seconds
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import log_replay  # examples/ is on sys.path when this file runs as a script
+import compare  # examples/ is on sys.path when this file runs as a script
+import log_replay
 
 from torchrl_ext import ManagedParallelEnv
 from torchrl_ext._sweep import leftover_processes
@@ -40,10 +43,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--frames", type=int, default=None, help="frames to collect (all envs together)")
     p.add_argument(
         "--start-method",
-        default="fork" if sys.platform.startswith("linux") else "spawn",
-        choices=["fork", "forkserver", "spawn"],
-        help="for the env workers and the DataLoader workers",
+        default="default",
+        choices=["default", "fork", "forkserver", "spawn"],
+        help="for the env workers and the DataLoader workers (default: the library's default path)",
     )
+    p.add_argument("--no-compare", action="store_true", help="skip the comparison with upstream")
     p.add_argument("--profile", default="local", choices=sorted(log_replay.PROFILES))
     p.add_argument("--quick", action="store_true", help="smaller files, fewer frames (CI)")
     args = p.parse_args(argv)
@@ -54,6 +58,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.frames is None:
         args.frames = 2_000 if args.quick else 12_000
     return args
+
+
+def print_stats(stats: dict[str, float | int]) -> None:
+    """The env's ``stats()``, as a table (see docs/watching.md)."""
+    print("env.stats(workers=True):")
+    for key in ("steps", "resets", "step_ms_p50", "step_ms_p95", "reset_ms_p95", "wait_s", "restarts"):
+        value = stats[key]
+        print(f"  {key:<26} {value:.2f}" if isinstance(value, float) else f"  {key:<26} {value}")
+    slot = 0
+    while f"worker_{slot}/alive" in stats:
+        rss = stats.get(f"worker_{slot}/rss_bytes", 0) / (1 << 20)
+        kids = stats.get(f"worker_{slot}/descendants", 0)
+        pid = stats.get(f"worker_{slot}/pid")
+        print(f"  worker {slot}: pid {pid}, tree RSS {rss:.0f} MiB, {kids} children")
+        slot += 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -80,18 +99,19 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
         "episode_loader",
         args.profile,
         num_workers=args.loader_workers,
-        mp_context=args.start_method,
+        mp_context=None if args.start_method == "default" else args.start_method,
         stats_dir=str(stats),
     )
     t = time.perf_counter()
-    env = ManagedParallelEnv(args.envs, make_env, daemon_workers=False, mp_start_method=args.start_method)
+    chosen = {} if args.start_method == "default" else {"mp_start_method": args.start_method}
+    env = ManagedParallelEnv(args.envs, make_env, daemon_workers=False, **chosen)
     try:
         env.set_seed(0)
         td = env.reset()
         startup = time.perf_counter() - t
         print(
             f"started {args.envs} env workers, each with an EpisodeLoader of "
-            f"{args.loader_workers} DataLoader workers ({args.start_method}), in {startup:.1f}s"
+            f"{args.loader_workers} DataLoader workers (start path: {env.start_method}), in {startup:.1f}s"
         )
         frames = 0
         t = time.perf_counter()
@@ -100,6 +120,7 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
             _, td = env.step_and_maybe_reset(td)
             frames += args.envs
         elapsed = time.perf_counter() - t
+        print_stats(env.stats(workers=True))
     finally:
         t_close = time.perf_counter()
         env.close()
@@ -114,6 +135,8 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
         )
     print(f"close() took {close_s:.2f}s")
     print(env.supervision_report)
+    if not args.no_compare:
+        compare.compare_with_upstream(make_env, chosen)
     leftovers = leftover_processes()
     deadline = time.monotonic() + 2.0
     while leftovers and time.monotonic() < deadline:
