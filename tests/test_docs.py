@@ -194,19 +194,24 @@ def _string_value(node: ast.AST, constants: dict[str, str]) -> list[str] | None:
     return None
 
 
+def _string_constants(tree: ast.Module) -> dict[str, str]:
+    """A module's top-level ``NAME = "text"`` assignments (messages kept in constants)."""
+    return {
+        target.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+
+
 def _logged_messages() -> list[tuple[str, list[str]]]:
     found = []
     for path in sorted((ROOT / "torchrl_ext").rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        constants = {
-            target.id: node.value.value
-            for node in tree.body
-            if isinstance(node, ast.Assign)
-            and isinstance(node.value, ast.Constant)
-            and isinstance(node.value.value, str)
-            for target in node.targets
-            if isinstance(target, ast.Name)
-        }
+        constants = _string_constants(tree)
         for node in ast.walk(tree):
             if not (
                 isinstance(node, ast.Call)
@@ -256,15 +261,7 @@ def _raised_messages() -> list[tuple[str, str]]:
         if rel in _INTERNAL_RAISES:
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        constants = {
-            target.id: node.value.value
-            for node in tree.body
-            if isinstance(node, ast.Assign)
-            and isinstance(node.value, ast.Constant)
-            and isinstance(node.value.value, str)
-            for target in node.targets
-            if isinstance(target, ast.Name)
-        }
+        constants = _string_constants(tree)
         for node in ast.walk(tree):
             if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args):
                 continue
