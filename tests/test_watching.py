@@ -178,6 +178,7 @@ def test_collect_stats_false_measures_nothing() -> None:
         env.rollout(5)
         stats = env.stats()
         assert stats["steps"] == 0 and math.isnan(stats["step_ms_p50"]) and stats["tree_rss_bytes"] == 0
+        assert stats["wait_s"] == 0
         assert stats["workers_alive"] == 2
     finally:
         env.close(raise_if_closed=False)

@@ -287,6 +287,9 @@ class ManagedParallelEnv(ParallelEnv):
             raise
 
     def _wait_for_workers(self, workers_range: Any) -> None:
+        if not self._state.options.collect_stats:
+            self._wait(workers_range)
+            return
         t0 = time.perf_counter()
         try:
             self._wait(workers_range)
