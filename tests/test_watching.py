@@ -309,6 +309,14 @@ def _limit_and_join(cgroup: Path, pid: int, headroom_mb: int) -> int:
     return limit
 
 
+def _seen_in(env: ManagedParallelEnv, slot: int, cgroup: Path) -> None:
+    """Wait until the supervisor's sampler (once a second) has read the worker's new cgroup: the
+    OOM count it compares at the death is that cgroup's (v1 counts a kill in that cgroup only)."""
+    supervisor = env._state.supervisor
+    assert supervisor is not None
+    wait_until(lambda: supervisor._worker(slot).cgroup == str(cgroup), f"worker {slot} seen in {cgroup}")
+
+
 @pytest.mark.parametrize("method", ["preloaded", "fork"])
 def test_an_oom_kill_is_named_in_the_record_and_the_error(method: str, memory_cgroup: Path) -> None:
     env = ManagedParallelEnv(
@@ -323,6 +331,7 @@ def test_an_oom_kill_is_named_in_the_record_and_the_error(method: str, memory_cg
         td = env.reset()
         victim = env.worker_pids[1]
         limit = _limit_and_join(memory_cgroup, victim, headroom_mb=100)
+        _seen_in(env, 1, memory_cgroup)
         # Slot 1 keeps 32 MiB more per step: the kernel's OOM killer ends it within a few steps.
         for _ in range(40):
             if env.restarts:
@@ -348,6 +357,7 @@ def test_an_oom_kill_without_restarts_says_so_and_a_kill_by_hand_does_not(memory
     try:
         td = env.reset()
         _limit_and_join(memory_cgroup, env.worker_pids[1], headroom_mb=100)
+        _seen_in(env, 1, memory_cgroup)
         with pytest.raises(WorkerDiedError) as info:
             for _ in range(40):
                 td = env.step_and_maybe_reset(env.rand_action(td))[1]
