@@ -2,9 +2,11 @@
 
 Four measurements, every trial in a fresh interpreter, the two classes interleaved:
 
-* steps/s on a trivial env (2 workers, median of interleaved repeats, paired ratio), and the
-  same for ManagedParallelEnv with its statistics off (``collect_stats=False``) against on
-  (read with ``stats(workers=True)`` every 100 steps, as a ``LoggerMonitor`` would);
+* steps/s on a trivial env (2 workers, median of interleaved repeats, paired ratio), and
+  ManagedParallelEnv with its statistics on (read with ``stats(workers=True)`` every 100 steps,
+  as a ``LoggerMonitor`` would) against off (``collect_stats=False``), measured as
+  ``stats_overhead.py`` does (both envs in one interpreter, alternating blocks: a 1 % effect is
+  below the noise of fresh-interpreter trials);
 * ``close()`` time while every worker holds a persistent ``DataLoader(num_workers=2)``
   (upstream built with ``daemon=False`` so its workers may have children at all);
 * worker-death detection: SIGKILL worker 0 mid-rollout, time until the rollout raises;
@@ -47,8 +49,6 @@ from torchrl.envs import EnvBase
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 CLASSES = ("upstream", "managed")
-#: Throughput trials also run the managed env with ``collect_stats=False``.
-THROUGHPUT_KINDS = (*CLASSES, "managed_nostats")
 
 
 # ================================================================= the env (importable by reference)
@@ -152,11 +152,8 @@ def _build(kind: str, loader: bool, workers: int) -> Any:
     from torchrl_ext import ManagedParallelEnv
 
     fn = functools.partial(make_trivial_env_ref(), loader=loader)
-    if kind.startswith("managed"):
-        stats = kind == "managed"
-        return ManagedParallelEnv(
-            workers, fn, daemon_workers=False, mp_start_method="fork", collect_stats=stats
-        )
+    if kind == "managed":
+        return ManagedParallelEnv(workers, fn, daemon_workers=False, mp_start_method="fork")
     return ParallelEnv(workers, fn, mp_start_method="fork", daemon=not loader)
 
 
@@ -293,6 +290,10 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         return trial_close(kind, workers)
     if mode == "death":
         return trial_death(kind, workers, float(spec["cap"]))
+    if mode == "stats":
+        import stats_overhead
+
+        return stats_overhead.trial(int(spec["steps"]) // 4, blocks=8)
     raise ValueError(mode)
 
 
@@ -382,8 +383,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("throughput", args.repeats),
         ("close", args.close_repeats),
         ("death", args.death_repeats),
+        ("stats", args.repeats),
     ):
-        kinds = THROUGHPUT_KINDS if mode == "throughput" else CLASSES
+        kinds = ("managed",) if mode == "stats" else CLASSES
         for r in range(repeats):
             order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]  # each kind first in turn
             for kind in order:
@@ -418,15 +420,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             proc.kill()
     psutil.wait_procs(strays, timeout=5)
 
+    def pick_all(mode: str) -> list[dict[str, Any]]:
+        return [r for s, r in results if s["mode"] == mode and "failed" not in r]
+
     def pick(mode: str, kind: str, key: str) -> list[Any]:
         return [
             r.get(key) for s, r in results if s["mode"] == mode and s["kind"] == kind and "failed" not in r
         ]
 
-    sps = {k: pick("throughput", k, "steps_per_s") for k in THROUGHPUT_KINDS}
+    sps = {k: pick("throughput", k, "steps_per_s") for k in CLASSES}
     paired = [m / u for u, m in zip(sps["upstream"], sps["managed"], strict=False)]
     ratio = _med(paired)
-    stats_ratio = _med([on / off for on, off in zip(sps["managed"], sps["managed_nostats"], strict=False)])
+    stats_trials = [(statistics.median(r["on"]), statistics.median(r["off"])) for r in pick_all("stats")]
+    stats_ratio = _med([on / off for on, off in stats_trials])
     close_med = {k: _med(pick("close", k, "close_s")) for k in CLASSES}
     elapsed = time.perf_counter() - started
     lines = [
@@ -448,10 +454,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"| steps/s, trivial env (median of {args.repeats}) | {_fmt(up, '', 0)} | {_fmt(man, '', 0)} | "
         f"{_fmt(ratio, 'x', 3)} (median of paired ratios) |"
     )
-    off = _med(sps["managed_nostats"])
+    on, off = _med([t[0] for t in stats_trials]), _med([t[1] for t in stats_trials])
     lines.append(
-        f"| steps/s, ManagedParallelEnv with statistics on / off (`collect_stats=False`) | | "
-        f"{_fmt(man, '', 0)} / {_fmt(off, '', 0)} | {_fmt(stats_ratio, 'x', 3)} on / off (paired) |"
+        f"| steps/s, ManagedParallelEnv with statistics on / off (`collect_stats=False`; one "
+        f"interpreter, alternating blocks, median of {len(stats_trials)}) | | {_fmt(on, '', 0)} / "
+        f"{_fmt(off, '', 0)} | {_fmt(stats_ratio, 'x', 3)} on / off (median of trial ratios) |"
     )
     c_up, c_man = close_med["upstream"], close_med["managed"]
     lines.append(
@@ -475,10 +482,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     errors = {k: sorted({str(e) for e in pick("death", k, "error")}) for k in CLASSES}
     lines.append(f"Exception on worker death: upstream {errors['upstream']}; managed {errors['managed']}.")
     lines.append("")
-    raw = {k: [round(v) for v in sps[k]] for k in THROUGHPUT_KINDS}
+    raw = {k: [round(v) for v in sps[k]] for k in CLASSES}
     lines.append(
         f"Raw steps/s (trial order): upstream {raw['upstream']}; managed {raw['managed']}; "
-        f"managed, statistics off {raw['managed_nostats']}."
+        f"statistics on / off per trial {[f'{a:.0f}/{b:.0f}' for a, b in stats_trials]}."
     )
     lines.append("")
     for kind in CLASSES:

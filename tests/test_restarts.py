@@ -497,6 +497,9 @@ def test_chaos_sigkill_every_two_seconds_under_a_collector(tmp_path: Path) -> No
         pid_dir=str(tmp_path),
         method=None,
         max_restarts=1000,
+        # A kill every 2 s is a row of restarts: backoff would hold each replacement for up
+        # to 10 s, while this thread kills whatever pid a slot shows (the dead one, waiting).
+        restart_backoff=None,
     )
     assert env.start_method == "preloaded"
     collector = COLLECTORS["single"](env, make_policy(), frames_per_batch=64, total_frames=-1)

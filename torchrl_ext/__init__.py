@@ -33,10 +33,11 @@ from ._errors import (
     WorkerDiedError,
     WorkerEnvError,
     WorkerHungError,
+    WorkerStartTimeoutError,
     format_exitcode,
 )
+from ._policy import RestartRecord
 from ._report import SupervisionReport, WorkerOutcome
-from ._restart import RestartRecord
 
 __all__ = [
     "DaemonicParentError",
@@ -50,6 +51,7 @@ __all__ = [
     "WorkerEnvError",
     "WorkerHungError",
     "WorkerOutcome",
+    "WorkerStartTimeoutError",
     "__version__",
     "format_exitcode",
 ]

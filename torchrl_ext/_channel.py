@@ -74,6 +74,10 @@ class RestartableChannel(ParentChannel):
         #: Set by the restart engine on a replacement that owes its slot a marked transition;
         #: returns True when it took the command (nothing is sent). Only the engine sets it.
         self.intercept: Callable[[Any], bool] | None = None
+        #: Set by the recycler on every channel of an env that recycles: returns ``None`` (send
+        #: as is) or ``(channel, message)``: the message to send instead, on ``channel`` (a
+        #: recycled slot's new worker) or, ``None``, on this one. Only the recycler sets it.
+        self.route: Callable[[Any], Any] | None = None
         self.owed = 0
 
     def send(self, obj: Any) -> None:
@@ -81,6 +85,14 @@ class RestartableChannel(ParentChannel):
         if command is not None:
             if self.intercept is not None and self.intercept(obj):
                 return
+            if self.route is not None:
+                routed = self.route(obj)
+                if routed is not None:
+                    target, obj = routed
+                    if target is not None:
+                        target.send(obj)
+                        return
+                    command = obj[0]
             self.last_command = command if isinstance(command, str) else repr(command)
             self.last_message = obj
         try:

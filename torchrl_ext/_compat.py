@@ -209,6 +209,7 @@ class Upstream:
     __slots__ = ("env",)
 
     env_kwargs: _Attr[list[Any]] = _Attr("create_env_kwargs", "per-worker kwargs; carry our config")
+    factories: _Attr[Any] = _Attr("create_env_fn", "per-worker factories; named in start-up errors")
     workers: _Attr[Any] = _Attr("_workers", "the worker processes; become our SupervisedWorkers list")
     channels: _Attr[list[Any]] = _Attr("parent_channels", "the command pipes; wrapped by the supervisor")
     mp_start_method: _Attr[str | None] = _Attr("_mp_start_method", "the start method asked for")

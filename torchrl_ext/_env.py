@@ -29,8 +29,9 @@ from ._compat import (
 )
 from ._marks import add_restart_keys
 from ._options import DEFAULT_SHUTDOWN_TIMEOUT, Options
+from ._policy import DEFAULT_RESTART_BACKOFF, RestartRecord
 from ._report import SupervisionReport
-from ._restart import RestartRecord, raise_failure
+from ._restart import raise_failure
 from ._start import EnvState, no_faults, preload_modules, spec_reader, start_workers
 from ._stats import snapshot
 from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor
@@ -97,7 +98,23 @@ class ManagedParallelEnv(ParallelEnv):
             longer is killed with its tree, then restarted (within ``max_restarts``) or
             :class:`WorkerHungError` is raised. ``None`` (default): TorchRL's own wait.
         restart_on_error: an exception raised by the env's own code restarts the slot too
-            (within ``max_restarts``); by default it is re-raised with its type and traceback.
+            (within ``max_restarts``): ``True`` for any, or an exception type or tuple of them
+            (as ``except`` takes) for those only; by default it is re-raised with its type and
+            traceback.
+        restart_backoff: ``(first, cap)`` seconds: the second restart in a row of one slot
+            waits ``first``, each further one twice as long, at most ``cap`` (a row ends once
+            a slot's worker ran 60 s). ``None``: never wait. Default ``(0.1, 10.0)``.
+        on_restart: called in the main process with each :class:`RestartRecord` (restarts and
+            recycles) once the new worker is ready; what it raises is logged, not raised.
+        start_timeout: seconds a worker may take to build its env (the first start and every
+            replacement); past it, it is killed with its tree and, within ``max_restarts``,
+            started again, else :class:`WorkerStartTimeoutError`. ``None`` (default):
+            TorchRL's own wait.
+        recycle_memory: bytes, or a string such as ``"4GiB"``: once a worker's tree (it and
+            all its descendants, DataLoader workers included) has more resident, its slot's next
+            reset goes to a fresh worker started ahead of time, and the old one is closed; no
+            transition is marked (see docs/restarts.md, "Recycling").
+        recycle_every: the same after this many episodes (resets) of one worker.
         **kwargs: everything ``torchrl.envs.ParallelEnv`` accepts.
 
     Example:
@@ -127,7 +144,12 @@ class ManagedParallelEnv(ParallelEnv):
         max_restarts: int = 0,
         restart_window: float | None = None,
         step_timeout: float | None = None,
-        restart_on_error: bool = False,
+        restart_on_error: bool | type[BaseException] | tuple[type[BaseException], ...] = False,
+        restart_backoff: tuple[float, float] | None = DEFAULT_RESTART_BACKOFF,
+        on_restart: Callable[[RestartRecord], Any] | None = None,
+        start_timeout: float | None = None,
+        recycle_memory: int | str | None = None,
+        recycle_every: int | None = None,
         collect_stats: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -340,12 +362,17 @@ class ManagedParallelEnv(ParallelEnv):
     def set_seed(self, seed: int | None = None, static_seed: bool = False) -> int | None:
         supervisor = self._check_failed()
         try:
-            return super().set_seed(seed, static_seed)
-        except Exception as err:
-            if supervisor is not None and self._state.engine.replaced_after(Upstream(self), supervisor, err):
+            try:
                 return super().set_seed(seed, static_seed)
-            self._translate(err, supervisor)
-            raise
+            except Exception as err:
+                if supervisor is not None and self._state.engine.replaced_after(
+                    Upstream(self), supervisor, err
+                ):
+                    return super().set_seed(seed, static_seed)
+                self._translate(err, supervisor)
+                raise
+        finally:
+            self._state.engine.remember_seeds(Upstream(self))
 
     def state_dict(self) -> Any:
         return self._guarded(super().state_dict)

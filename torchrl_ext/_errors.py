@@ -20,6 +20,7 @@ __all__ = [
     "WorkerDiedError",
     "WorkerEnvError",
     "WorkerHungError",
+    "WorkerStartTimeoutError",
     "format_exitcode",
     "hint_for_exitcode",
 ]
@@ -215,6 +216,48 @@ class WorkerHungError(WorkerDiedError):
         return (
             type(self),
             (self.worker_index, self.pid, self.last_command, self.timeout, self.detail, self.stacks),
+        )
+
+
+class WorkerStartTimeoutError(WorkerHungError):
+    """A worker did not build its env within ``start_timeout`` seconds and was killed with its
+    tree (raised once no restart is left for it; with restarts left, it is started again).
+
+    Example:
+        >>> err = WorkerStartTimeoutError(1, 4242, timeout=30.0, factory="make_sim")
+        >>> isinstance(err, WorkerHungError), err.factory
+        (True, 'make_sim')
+    """
+
+    def __init__(
+        self,
+        worker_index: int,
+        pid: int | None,
+        timeout: float,
+        factory: str,
+        detail: str | None = None,
+        stacks: str | None = None,
+    ) -> None:
+        self.factory = factory
+        super().__init__(worker_index, pid, "start-up", timeout, detail, stacks)
+
+    def _hint(self) -> str:
+        return (
+            f"its factory {self.factory} had not returned; it and its process tree were killed. "
+            f"Raise `start_timeout` if building this env can take longer (a spawned worker imports "
+            "torch first), or find what the factory waits for in the stacks below."
+        )
+
+    def _message(self) -> str:
+        return (
+            f"ManagedParallelEnv worker {self.worker_index} (pid {self.pid}) did not build its env "
+            f"within start_timeout={self.timeout:g}s. Hint: {self.hint}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            type(self),
+            (self.worker_index, self.pid, self.timeout, self.factory, self.detail, self.stacks),
         )
 
 

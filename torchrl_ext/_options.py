@@ -10,12 +10,13 @@ from __future__ import annotations
 import functools
 import inspect
 import multiprocessing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ._compat import UPSTREAM_DEFAULTS
 from ._done_signal import DEFAULT_SPIN
+from ._policy import RestartRecord, parse_bytes
 
 __all__ = ["DEFAULT_SHUTDOWN_TIMEOUT", "Options"]
 
@@ -50,7 +51,15 @@ class Options:
     max_restarts: int
     restart_window: float | None
     step_timeout: float | None
-    restart_on_error: bool
+    #: ``True``/``False``, or the exception types whose raise restarts a slot.
+    restart_on_error: bool | tuple[type[BaseException], ...]
+    #: ``(first, cap)`` seconds (see ``_policy.Backoff``); ``None``: never wait.
+    restart_backoff: tuple[float, float] | None
+    on_restart: Callable[[RestartRecord], Any] | None
+    start_timeout: float | None
+    #: Bytes (resolved from a string such as ``"4GiB"``).
+    recycle_memory: int | None
+    recycle_every: int | None
     collect_stats: bool
 
     @classmethod
@@ -80,6 +89,26 @@ class Options:
             raise ValueError(f"restart_window must be None or > 0 seconds, got {restart_window!r}")
         if step_timeout is not None and not step_timeout > 0:
             raise ValueError(f"step_timeout must be None or > 0 seconds, got {step_timeout!r}")
+        start_timeout = given["start_timeout"]
+        if start_timeout is not None and not start_timeout > 0:
+            raise ValueError(f"start_timeout must be None or > 0 seconds, got {start_timeout!r}")
+        recycle_memory, recycle_every = given["recycle_memory"], given["recycle_every"]
+        if recycle_memory is not None:
+            recycle_memory = parse_bytes(recycle_memory, "recycle_memory")
+            if not given["collect_stats"]:
+                raise ValueError(
+                    "recycle_memory needs the memory the supervisor samples: pass collect_stats=True "
+                    "(the default), or use recycle_every"
+                )
+        if recycle_every is not None and (
+            isinstance(recycle_every, bool) or not isinstance(recycle_every, int) or recycle_every < 1
+        ):
+            raise ValueError(f"recycle_every must be None or an int >= 1 (episodes), got {recycle_every!r}")
+        on_restart = given["on_restart"]
+        if on_restart is not None and not callable(on_restart):
+            raise ValueError(
+                f"on_restart must be None or a callable taking a RestartRecord, got {on_restart!r}"
+            )
         methods = multiprocessing.get_all_start_methods()
         if child_start_method is not None and child_start_method not in methods:
             raise ValueError(
@@ -102,7 +131,12 @@ class Options:
             max_restarts=max_restarts,
             restart_window=None if restart_window is None else float(restart_window),
             step_timeout=None if step_timeout is None else float(step_timeout),
-            restart_on_error=bool(given["restart_on_error"]),
+            restart_on_error=_error_types(given["restart_on_error"]),
+            restart_backoff=_backoff(given["restart_backoff"]),
+            on_restart=on_restart,
+            start_timeout=None if start_timeout is None else float(start_timeout),
+            recycle_memory=recycle_memory,
+            recycle_every=recycle_every,
             collect_stats=bool(given["collect_stats"]),
         )
 
@@ -118,14 +152,52 @@ class Options:
         return DEFAULT_SPIN if self.spin_wait is None else self.spin_wait
 
     @property
+    def recycles(self) -> bool:
+        """Whether workers are recycled at episode boundaries (``recycle_memory``/``_every``)."""
+        return self.recycle_memory is not None or self.recycle_every is not None
+
+    @property
+    def replaces(self) -> bool:
+        """Whether workers may be replaced (restarts or recycling): the start records them."""
+        return self.max_restarts > 0 or self.recycles
+
+    @property
     def own_wait(self) -> bool:
-        """Our own wait loop (restarts, hang detection) instead of TorchRL's."""
-        return self.max_restarts > 0 or self.step_timeout is not None
+        """Our own wait loop (restarts, hang detection, recycling) instead of TorchRL's."""
+        return self.replaces or self.step_timeout is not None
 
     @property
     def extra_preload(self) -> tuple[str, ...]:
         """Modules the user asked the preloaded server to import besides the factory's."""
         return self.preload if isinstance(self.preload, tuple) else ()
+
+
+def _error_types(value: Any) -> bool | tuple[type[BaseException], ...]:
+    """``restart_on_error``: a bool, an exception type, or a tuple of them (as ``except`` takes)."""
+    if isinstance(value, bool):
+        return value
+    types = value if isinstance(value, tuple) else (value,)
+    if not types or not all(isinstance(t, type) and issubclass(t, BaseException) for t in types):
+        raise ValueError(
+            "restart_on_error must be True, False, an exception type or a tuple of them "
+            f"(as `except` takes), got {value!r}"
+        )
+    return types
+
+
+def _backoff(value: Any) -> tuple[float, float] | None:
+    """``restart_backoff``: ``None`` or ``(first, cap)`` seconds, ``0 <= first <= cap``."""
+    if value is None:
+        return None
+    try:
+        first, cap = (float(v) for v in value)
+    except (TypeError, ValueError):
+        first = cap = -1.0
+    if not 0 <= first <= cap:
+        raise ValueError(
+            f"restart_backoff must be None or (first, cap) seconds with 0 <= first <= cap, got {value!r}"
+        )
+    return first, cap
 
 
 def _resolve_daemon(daemon_workers: bool | None, daemon: bool | None) -> bool:

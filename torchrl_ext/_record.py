@@ -44,6 +44,8 @@ class Loss:
     descendants_killed: int
     #: The channel of the lost worker (its last command and message: what the slot owes).
     channel: ParentChannel
+    #: Its ``create_time`` (wall clock): how long it ran (the restart backoff's rows).
+    create_time: float = 0.0
 
 
 @dataclass(eq=False)
@@ -100,6 +102,7 @@ class WorkerRecord:
             self.lost_at,
             self.descendants_killed,
             self.channel,
+            self.create_time,
         )
 
     def refresh(self) -> None:

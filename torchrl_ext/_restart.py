@@ -1,124 +1,49 @@
-"""Restarting a lost worker's slot: the engine, its budget, its records, the process templates.
+"""Restarting a lost worker's slot: the engine, its wait, its marks.
 
 What ``ManagedParallelEnv`` does when a worker is lost with ``max_restarts > 0`` (see
 docs/restarts.md and the data flow in docs/design.md): the supervisor has already killed and
 reaped the worker's tree and recorded the loss; :class:`RestartEngine`, on the env's calling
-thread, checks the budget (:class:`RestartBudget`), starts a copy of the slot's original
-``multiprocessing.Process`` (recorded unstarted by :func:`recording_starts`) on fresh pipes,
+thread, checks the policy (``_policy``: budget, backoff, which env errors restart), starts a
+copy of each lost slot's original ``multiprocessing.Process`` on fresh pipes (``_replace``:
+all lost slots at once, their handshakes awaited together, each seeded from the env's seed),
 puts it in the owner's and every view's lists, and then either replays an in-flight reset, or
 resets the new env and writes the marked transition (``_marks``), or, lost between calls, takes
 the slot's next step command and answers it with the mark. The engine also owns the env's own
-wait (restarts and ``step_timeout``), which is where losses and hangs are noticed mid-call.
+wait (restarts, ``step_timeout``, recycling), which is where losses and hangs are noticed
+mid-call, and hands episode boundaries to the recycler (``_recycle``).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import functools
-import itertools
 import logging
-import multiprocessing
-import multiprocessing.connection
-import multiprocessing.process
 import time
 import weakref
-from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from . import _platform
 from ._channel import is_forwarded_call
-from ._compat import PER_START_KWARGS, WORKER_KWARGS, ConfiguredKwargs, Upstream, is_worker_entry
-from ._cpython import process_kwargs, process_start_method, process_target, set_process_kwargs
+from ._compat import PER_START_KWARGS, Upstream, is_worker_entry
+from ._cpython import process_kwargs, process_target, set_process_kwargs
 from ._done_signal import Answers, DoneSignal
-from ._errors import OomKill, WorkerDiedError, WorkerHungError
+from ._errors import WorkerDiedError, WorkerHungError, WorkerStartTimeoutError
 from ._marks import clear_marks, clear_root_marks, mark_transition
 from ._options import Options
+from ._policy import Backoff, RestartBudget, RestartRecord, replacement_seed, restarts_on_error
 from ._record import Loss
+from ._recycle import Recycler
+from ._replace import LOSS_WAIT, Launch, Launcher, handshake, reset_all, seed_all
 from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor
-from ._tag import tagged_spawns
-from ._templates import copy_unstarted, recording_starts
+from ._templates import recording_starts
 
 if TYPE_CHECKING:  # _start builds the engine
     from ._start import StartPlan
 
-__all__ = [
-    "RestartBudget",
-    "RestartEngine",
-    "RestartRecord",
-    "raise_failure",
-]
+__all__ = ["RestartEngine", "RestartRecord", "raise_failure"]
 
 log = logging.getLogger("torchrl_ext")
-
-#: Longest pause between checks while a replacement starts or resets.
-_POLL_SLICE = 0.02
-#: How long the supervisor may take to handle a worker's exit (its tree's SIGKILL included).
-_LOSS_WAIT = 10.0
-
-
-@dataclass(frozen=True)
-class RestartRecord:
-    """One restart of a worker slot (``env.restarts`` lists them, oldest first).
-
-    ``cause`` is the dead worker's exit code (``-9`` for SIGKILL), ``"hung"`` (no answer within
-    ``step_timeout``) or the name of the exception its env raised (``restart_on_error=True``, or
-    a call forwarded to the env, ``env.some_method()``, that failed there).
-
-    Example:
-        >>> r = RestartRecord(slot=1, old_pid=41, new_pid=42, cause=-9, command="step",
-        ...                   time=0.0, ready_after=0.05)
-        >>> print(r)
-        slot 1: pid 41 -> 42 after SIGKILL(-9) during 'step'; ready in 0.050s
-    """
-
-    slot: int
-    old_pid: int | None
-    new_pid: int
-    cause: int | str | None
-    command: str | None
-    #: Wall-clock time (``time.time()``) the loss was noticed.
-    time: float
-    #: Seconds from the loss being noticed to the new worker having built its env.
-    ready_after: float
-    #: A hung worker's stacks, every thread, when it was killed (see ``WorkerHungError.stacks``).
-    stacks: str | None = None
-    #: Set when the kernel's OOM killer killed the old worker (see ``WorkerDiedError.oom``).
-    oom: OomKill | None = None
-
-    def __str__(self) -> str:
-        from ._errors import format_exitcode
-
-        cause = self.cause if isinstance(self.cause, str) else format_exitcode(self.cause)
-        return (
-            f"slot {self.slot}: pid {self.old_pid} -> {self.new_pid} after {cause} during "
-            f"{self.command or 'no command'!r}; ready in {self.ready_after:.3f}s"
-        )
-
-
-class RestartBudget:
-    """At most ``max_restarts`` losses within any ``window`` seconds (``None``: the env's life)."""
-
-    def __init__(self, max_restarts: int, window: float | None) -> None:
-        self.max_restarts = max_restarts
-        self.window = window
-        self._times: collections.deque[float] = collections.deque()
-
-    def allows(self, now: float) -> bool:
-        """Whether one more loss at ``now`` (monotonic) may be restarted; records it if so."""
-        if self.window is not None:
-            while self._times and now - self._times[0] > self.window:
-                self._times.popleft()
-        if len(self._times) >= self.max_restarts:
-            return False
-        self._times.append(now)
-        return True
-
-    def describe(self) -> str:
-        window = "the env's life" if self.window is None else f"{self.window:g}s"
-        return f"max_restarts={self.max_restarts} within {window}"
 
 
 # --------------------------------------------------------------------------- the engine
@@ -130,31 +55,26 @@ class _Hung(Exception):
     """The wait passed ``step_timeout``: handled by the wait loop."""
 
 
-class _ReplacementLost(Exception):
-    """A replacement died or hung while starting; its loss is the supervisor's next."""
-
-
 class RestartEngine:
-    """Everything one env does about lost workers: its own wait, the budget, the replacements,
+    """Everything one env does about lost workers: its own wait, the policy, the replacements,
     the marks, the indexed views. The env calls it; it calls the supervisor's operations.
 
     Fields and who changes them (the env's calling thread only, never the watcher):
-    ``restarts`` grows by one record per replacement (never shrinks); ``templates`` and
-    ``plan`` are set by :meth:`adopt` at each start and dropped by :meth:`forget`;
+    ``restarts`` grows by one record per replacement (never shrinks); ``launcher`` holds the
+    templates and the plan, set by :meth:`adopt` at each start and dropped by :meth:`forget`;
     ``mark_keys`` is set once the specs are known; ``marked`` holds the slots whose ``"next"``
     holds a mark until the next call clears it; ``fresh_obs`` holds a replacement's reset
-    observation until its mark is written; ``views`` holds weak references to indexed views.
+    observation until its mark is written; ``seeds`` holds, per slot, the last seed
+    ``set_seed`` gave it, and ``incarnations`` how many workers replaced its first.
     """
 
     def __init__(self, options: Options) -> None:
         self.options = options
         self.budget = RestartBudget(options.max_restarts, options.restart_window)
+        self.backoff = Backoff(options.restart_backoff)
         self.restarts: list[RestartRecord] = []
-        #: Per slot, the worker process as TorchRL built it, unstarted (see recording_starts).
-        self.templates: list[Any] = []
-        #: How this start went (a replacement starts the same way) and its reaper's FIFO.
-        self.plan: StartPlan | None = None
-        self.fifo = ""
+        self.launcher = Launcher()
+        self.recycler = Recycler(options, self.launcher)
         #: Done entries only restarts write (set by the owner once its specs are known).
         self.mark_keys: list[str] = []
         self.marked: set[int] = set()
@@ -162,44 +82,78 @@ class RestartEngine:
         #: transition is written: TorchRL's partial reset of other slots copies a slot's last
         #: "next" over its root, so the root cannot be trusted to still hold it.
         self.fresh_obs: dict[int, Any] = {}
-        self.views: list[weakref.ref[Any]] = []
+        self.seeds: dict[int, tuple[int, bool]] = {}
+        self.incarnations: collections.Counter[int] = collections.Counter()
+        #: Per slot, the pid and factory of a replacement killed for passing ``start_timeout``.
+        self._start_timed_out: dict[int, tuple[int, str]] = {}
 
     @property
     def on(self) -> bool:
+        """Restarts (and their marks) are on."""
         return self.options.max_restarts > 0
 
     # ------------------------------------------------------------------ start and close
     def recording(self) -> contextlib.AbstractContextManager[list[Any]]:
-        """Around TorchRL's start: the processes it starts, recorded unstarted (restarts on)."""
-        return recording_starts() if self.on else contextlib.nullcontext([])
+        """Around TorchRL's start: the processes it starts, recorded unstarted (restarts or
+        recycling on)."""
+        return recording_starts() if self.options.replaces else contextlib.nullcontext([])
 
     def adopt(self, started: list[Any], workers: int, plan: StartPlan, fifo: str) -> None:
         """Keep the worker processes TorchRL built (``started``, in slot order) as templates."""
-        self.templates = [p for p in started if is_worker_entry(process_target(p))]
-        for template in self.templates:  # each replacement gets its own pipes and event
+        templates = [p for p in started if is_worker_entry(process_target(p))]
+        for template in templates:  # each replacement gets its own pipes and event
             kwargs = process_kwargs(template)
             set_process_kwargs(template, {k: v for k, v in kwargs.items() if k not in PER_START_KWARGS})
-        self.plan, self.fifo = plan, fifo
+        launcher = self.launcher
+        launcher.templates, launcher.plan, launcher.fifo = templates, plan, fifo
         self.marked = set()
-        if self.on and len(self.templates) != workers:
+        if self.options.replaces and len(templates) != workers:
             raise RuntimeError(
                 f"torchrl_ext could not record the {workers} worker processes TorchRL started "
-                f"(found {len(self.templates)}); restarts cannot work with this TorchRL release. "
-                "Pass max_restarts=0, and please report this."
+                f"(found {len(templates)}); restarts cannot work with this TorchRL release. "
+                "Pass max_restarts=0 (and no recycle_memory/recycle_every), and please report this."
             )
 
     def forget(self) -> None:
         """At close: the templates hold the shared buffers and the done flags."""
-        self.templates = []
-        self.plan = None
+        self.launcher.templates = []
+        self.launcher.plan = None
+
+    def attached(self, env: Any, supervisor: WorkerSupervisor) -> None:
+        """Once the supervisor has the workers: with recycling on, route their channels."""
+        if self.recycler.on:
+            for slot, channel in enumerate(Upstream(env).channels):
+                self._route(env, supervisor, slot, channel)
+
+    def _route(self, env: Any, supervisor: WorkerSupervisor, slot: int, channel: Any) -> None:
+        if self.recycler.on:
+            channel.route = functools.partial(self._routed, weakref.ref(env), supervisor, slot)
+
+    def _routed(
+        self, env_ref: weakref.ref[Any], supervisor: WorkerSupervisor, slot: int, message: Any
+    ) -> Any:
+        env = env_ref()
+        if env is None:
+            return None
+        return self.recycler.route(Upstream(env), supervisor, self, slot, message)
 
     def remember_view(self, view: Any) -> None:
-        self.views.append(weakref.ref(view))
+        self.launcher.views.append(weakref.ref(view))
+
+    def remember_seeds(self, env: Upstream) -> None:
+        """After ``set_seed``: the seed each slot was sent (its channel's last message)."""
+        for slot, channel in enumerate(env.owner.channels or []):
+            message = getattr(channel, "last_message", None)
+            if isinstance(message, tuple) and message and message[0] == "seed":
+                seed, static = message[1]
+                self.seeds[slot] = (int(seed), bool(static))
 
     # ------------------------------------------------------------------ between calls
     def pending(self, supervisor: WorkerSupervisor) -> bool:
         """Whether the next call must first clear marks or replace lost workers (no system call)."""
-        return bool(self.marked) or supervisor.has_losses
+        if self.marked or supervisor.has_losses:
+            return True
+        return self.recycler.on and self.recycler.pending(supervisor)
 
     def between_calls(self, env: Upstream, supervisor: WorkerSupervisor) -> None:
         if self.marked:
@@ -209,6 +163,8 @@ class RestartEngine:
             self.marked = set()
         if supervisor.has_losses:
             self.handle_losses(env, supervisor, in_flight=())
+        if self.recycler.on:
+            self.recycler.prepare(env, supervisor, self)
 
     def after_reset(self, env: Upstream, out: Any) -> None:
         """Every reset clears the root entries restarts add (marks live in ``"next"``)."""
@@ -247,6 +203,8 @@ class RestartEngine:
                     done.wait_for(answers.flags, slots, left, self.options.spin, check, on_timeout)
                 else:
                     answers.wait_events(slots, deadline, pipe_timeout, check, on_timeout)
+                if self.recycler.on:
+                    self.recycler.after_wait(env, supervisor, self, slots)
                 return
             except _Lost:
                 self.handle_losses(env, supervisor, in_flight=slots)
@@ -255,22 +213,33 @@ class RestartEngine:
                 for slot in slots:
                     if not answers.answered(slot) and not supervisor.exit_noticed(slot):  # dead: lost already
                         supervisor.kill_hung(slot, step_timeout)
-                        supervisor.wait_handled(slot, _LOSS_WAIT)
+                        supervisor.wait_handled(slot, LOSS_WAIT)
                 self.handle_losses(env, supervisor, in_flight=slots)
             if step_timeout is not None:  # a replayed reset gets the whole timeout
                 hang_at = time.monotonic() + step_timeout
 
     # ------------------------------------------------------------------ replacing
     def handle_losses(self, env: Upstream, supervisor: WorkerSupervisor, in_flight: Collection[int]) -> None:
-        """Replace every lost worker (its tree is already gone), or raise once the budget is
-        spent. ``in_flight``: slots whose answer the caller is waiting for."""
+        """Replace every lost worker (its tree is already gone), all at once, or raise once the
+        policy says no. ``in_flight``: slots whose answer the caller is waiting for."""
         # A call interrupted by the loss may have left answers in the other workers' pipes.
         supervisor.drain_owed(self.options.shutdown_timeout)
+        # What each slot owes the caller is what its first lost worker was asked.
+        owed: dict[int, tuple[str | None, Any]] = {}
+        attempts: collections.Counter[int] = collections.Counter()
+        done: list[RestartRecord] = []
         while True:
-            lost = supervisor.next_loss()
-            if lost is None:
-                return
-            self._restart_slot(env, supervisor, lost, in_flight)
+            losses = supervisor.losses()
+            if not losses:
+                break
+            for lost in losses:
+                channel = lost.channel
+                owed.setdefault(lost.index, (channel.last_command, getattr(channel, "last_message", None)))
+                attempts[lost.index] += 1
+                self._allow(supervisor, lost, owed[lost.index][0], attempts[lost.index])
+            done += self._replace(env, supervisor, losses, owed, in_flight)
+        for record in done:
+            self.notify(record)
 
     def replaced_after(self, env: Upstream, supervisor: WorkerSupervisor, err: Exception) -> bool:
         """``set_seed`` raised ``err``: if a worker was lost (restarts on), replace it and return
@@ -283,11 +252,29 @@ class RestartEngine:
         self.handle_losses(env, supervisor, in_flight=())
         return True
 
+    def _allow(self, supervisor: WorkerSupervisor, lost: Loss, command: str | None, attempt: int) -> None:
+        """Raise (give up) unless the policy lets slot ``lost.index`` be replaced once more."""
+        env_error = not isinstance(lost.failure, WorkerDiedError)
+        # A call forwarded to the env (``env.method()``) already raised the env's error to its
+        # caller; the worker only died because TorchRL's loop ends on it: a loss like any other.
+        setting = self.options.restart_on_error
+        if env_error and not restarts_on_error(setting, lost.failure) and not is_forwarded_call(command):
+            self.give_up(supervisor, lost, f"its env raised (restart_on_error={setting!r})")
+        if not self.budget.allows(time.monotonic()):
+            self.give_up(supervisor, lost, f"more losses than {self.budget.describe()}")
+        if attempt > self.options.max_restarts:  # however long the window: no endless retries
+            self.give_up(supervisor, lost, f"{self.options.max_restarts} replacement(s) in a row were lost")
+
     def give_up(self, supervisor: WorkerSupervisor, lost: Loss, reason: str) -> NoReturn:
         failure = lost.failure
         history = "; ".join(str(r) for r in self.restarts[-5:]) or "none"
         detail = f"{reason}; restarts so far ({len(self.restarts)}): {history}"
-        if isinstance(failure, WorkerHungError):
+        timed_out = self._start_timed_out.get(lost.index)
+        if isinstance(failure, WorkerHungError) and timed_out is not None and timed_out[0] == lost.pid:
+            failure = WorkerStartTimeoutError(
+                lost.index, lost.pid, failure.timeout, timed_out[1], detail, failure.stacks
+            )
+        elif isinstance(failure, WorkerHungError):
             failure = WorkerHungError(
                 lost.index, lost.pid, failure.last_command, failure.timeout, detail, failure.stacks
             )
@@ -301,160 +288,121 @@ class RestartEngine:
             failure.add_note(f"torchrl_ext: worker {lost.index} (pid {lost.pid}) not restarted: {detail}")
         raise_failure(supervisor.give_up(failure))
 
-    def _restart_slot(
-        self, env: Upstream, supervisor: WorkerSupervisor, lost: Loss, in_flight: Collection[int]
-    ) -> None:
-        """Replace ``lost`` (retrying while replacements are lost too), then replay its
-        in-flight reset, or reset the new env and mark the in-flight step's transition, or
-        (lost between calls) have the slot's next step answered by a mark."""
-        slot = lost.index
-        # What the slot owes the caller is what the first lost worker was asked.
-        command = lost.channel.last_command
-        message = getattr(lost.channel, "last_message", None)
-        replay = slot in in_flight and command == "reset"
-        for attempt in itertools.count(1):
-            env_error = not isinstance(lost.failure, WorkerDiedError)
-            # A call forwarded to the env (``env.method()``) already raised the env's error to its
-            # caller; the worker only died because TorchRL's loop ends on it: a loss like any other.
-            if env_error and not self.options.restart_on_error and not is_forwarded_call(command):
-                self.give_up(supervisor, lost, "its env raised (restart_on_error=False)")
-            if not self.budget.allows(time.monotonic()):
-                self.give_up(supervisor, lost, f"more losses than {self.budget.describe()}")
-            if attempt > self.options.max_restarts:  # however long the window: no endless retries
-                self.give_up(
-                    supervisor, lost, f"{self.options.max_restarts} replacement(s) in a row were lost"
-                )
-            cause: int | str | None = (
-                "hung" if lost.hung else type(lost.failure).__name__ if env_error else lost.exitcode
+    def start_limit(self, env: Upstream) -> float:
+        """How long a worker may take to build its env: ``start_timeout``, else TorchRL's wait."""
+        limit = self.options.start_timeout
+        return env.pipe_timeout if limit is None else limit
+
+    def _cause(self, lost: Loss) -> int | str | None:
+        timed_out = self._start_timed_out.get(lost.index)
+        if timed_out is not None and timed_out[0] == lost.pid:
+            return "start_timeout"
+        if lost.hung:
+            return "hung"
+        return lost.exitcode if isinstance(lost.failure, WorkerDiedError) else type(lost.failure).__name__
+
+    def _replace(
+        self,
+        env: Upstream,
+        supervisor: WorkerSupervisor,
+        losses: list[Loss],
+        owed: dict[int, tuple[str | None, Any]],
+        in_flight: Collection[int],
+    ) -> list[RestartRecord]:
+        """One round: start a replacement for every loss (each after its backoff), await all
+        their handshakes, seed them, then replay, reset and mark each; a replacement lost in
+        the round is a loss of the next. Returns the records of this round."""
+        now_wall, now = time.time(), time.monotonic()
+        plans = []
+        for lost in losses:
+            lived = (now_wall - (now - lost.lost_at)) - lost.create_time
+            delay = self.backoff.delay(lost.index, lived)
+            plans.append((lost.lost_at + delay, delay, lost))
+        launches: dict[int, tuple[Launch, Loss, float]] = {}
+        for due, delay, lost in sorted(plans, key=lambda plan: plan[0]):
+            pause = due - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)  # restart_backoff: a slot that keeps failing waits
+            self.recycler.forget_slot(supervisor, lost.index)
+            supervisor.forget_report(lost.index)
+            Answers(env.owner.done_flags, None).clear(lost.index)  # its last answer may be there
+            launch = self.launcher.launch(lost.index, supervisor.tag)
+            self.launcher.install(env, launch, supervisor.replace(lost.index, launch.process, launch.channel))
+            self._route(env.owner.env, supervisor, lost.index, launch.channel)
+            launches[lost.index] = (launch, lost, delay)
+        limit = self.start_limit(env)
+        for slot in handshake(supervisor, [launch for launch, _l, _d in launches.values()], limit):
+            self._start_timed_out[slot] = (
+                launches[slot][0].process.pid,
+                self.launcher.factory_name(env, slot),
             )
-            supervisor.forget_report(slot)
-            try:
-                process, channel = self._start_replacement(env, supervisor, slot)
-                waited = time.monotonic() - lost.lost_at
-                record = RestartRecord(
-                    slot,
-                    lost.pid,
-                    process.pid,
-                    cause,
-                    lost.channel.last_command,
-                    time.time() - waited,
-                    waited,
-                    stacks=getattr(lost.failure, "stacks", None),
-                    oom=getattr(lost.failure, "oom", None),
-                )
-                self.restarts.append(record)
-                log.warning(
-                    "%s restarted worker %s (%d descendant process(es) of the old one killed)",
-                    supervisor.label,
-                    record,
-                    lost.descendants_killed,
-                )
-                if replay:
-                    channel.send(message)  # the same reset again, on the new env; answered as usual
-                    return
-                self._reset_slot(env, supervisor, slot, channel)
-            except _ReplacementLost:
-                lost = supervisor.loss(slot)
+        ready = {slot: item for slot, item in launches.items() if item[0].ready}
+        answer_limit = env.pipe_timeout if self.options.step_timeout is None else self.options.step_timeout
+        seeds: dict[int, tuple[Launch, int, bool]] = {}
+        for slot, (launch, _lost, _delay) in ready.items():
+            self.incarnations[slot] += 1
+            if slot in self.seeds:
+                seed, static = self.seeds[slot]
+                seeds[slot] = (launch, replacement_seed(seed, slot, self.incarnations[slot]), static)
+        seed_all(supervisor, seeds, answer_limit)
+        records = []
+        for slot, (launch, lost, delay) in ready.items():
+            if not launch.ready:
                 continue
-            if slot in in_flight and command in ("step", "step_and_maybe_reset"):
+            waited = time.monotonic() - lost.lost_at
+            record = RestartRecord(
+                slot,
+                lost.pid,
+                launch.process.pid,
+                self._cause(lost),
+                lost.channel.last_command,
+                time.time() - waited,
+                waited,
+                stacks=getattr(lost.failure, "stacks", None),
+                oom=getattr(lost.failure, "oom", None),
+                backoff=delay,
+                seed=seeds[slot][1] if slot in seeds else None,
+            )
+            self.restarts.append(record)
+            records.append(record)
+            log.warning(
+                "%s restarted worker %s (%d descendant process(es) of the old one killed)",
+                supervisor.label,
+                record,
+                lost.descendants_killed,
+            )
+        to_reset = []
+        for slot, (launch, _lost, _delay) in ready.items():
+            command, message = owed[slot]
+            if not launch.ready:
+                continue
+            if slot in in_flight and command == "reset":
+                launch.channel.send(message)  # the same reset again, on the new env; answered as usual
+            else:
+                to_reset.append(launch)
+        reset_all(supervisor, env, to_reset, answer_limit)
+        owner = env.owner
+        for launch in to_reset:
+            if not launch.ready:
+                continue
+            slot = launch.slot
+            self.fresh_obs[slot] = owner.slot_buffers[slot].select(*owner.obs_keys).clone()
+            if slot in in_flight and owed[slot][0] in ("step", "step_and_maybe_reset"):
                 self._mark(env, slot)
             else:  # lost between calls: the slot's next step is answered by a mark
-                channel.intercept = functools.partial(self._intercept, env, slot, channel)
+                launch.channel.intercept = functools.partial(self._intercept, env, slot, launch.channel)
+        return records
+
+    def notify(self, record: RestartRecord) -> None:
+        """``on_restart``, in the main process: an exception there is logged, never raised (the
+        env has already replaced the worker; the call goes on)."""
+        callback = self.options.on_restart
+        if callback is None:
             return
-
-    def _start_replacement(self, env: Upstream, supervisor: WorkerSupervisor, slot: int) -> tuple[Any, Any]:
-        template = self.templates[slot]
-        assert self.plan is not None  # set by adopt(), as the templates are
-        ctx = self.plan.worker_context
-        kwargs = dict(process_kwargs(template))
-        parent_pipe, child_pipe = ctx.Pipe()
-        event = ctx.Event()
-        kwargs.update(zip(PER_START_KWARGS, (parent_pipe, child_pipe, event), strict=True))
-        key = WORKER_KWARGS["env_kwargs"]
-        env_kwargs = kwargs.get(key)
-        if isinstance(env_kwargs, ConfiguredKwargs):
-            arm = _platform.parent_death_outlives_worker(process_start_method(template))
-            kwargs[key] = ConfiguredKwargs(
-                dict(env_kwargs), dataclasses.replace(env_kwargs.trx_config, arm_pdeathsig=arm)
-            )
-        self.plan.refresh(self.fifo)
-        process = copy_unstarted(template, kwargs)
-        owner = env.owner
-        Answers(owner.done_flags, None).clear(slot)  # the lost worker may have answered before it died
-        with tagged_spawns(supervisor.tag):
-            process.start()
-        child_pipe.close()
-        channel = supervisor.replace(slot, process, parent_pipe)
-        # The owner's lists, and those of every indexed view (TorchRL >= 0.14 gives a view
-        # lists of its own, indexed by its position in the view).
-        for holder, position in self._holders_of(owner, slot):
-            holder.workers[position] = process
-            holder.channels[position] = channel
-            events = holder.events
-            if events is not None:
-                events[position] = event
-        # TorchRL's handshake: the worker says it built its env, then is sent "init". Building
-        # the env is not a command: step_timeout does not apply (a spawned worker imports torch).
-        self._await(supervisor, slot, lambda: bool(channel.poll(0)), env.pipe_timeout, channel)
         try:
-            channel.recv()  # "started"; at EOF, the replacement died while building its env
+            callback(record)
         except Exception:
-            supervisor.wait_handled(slot, _LOSS_WAIT)
-            raise _ReplacementLost from None
-        channel.send(("init", None))
-        return process, channel
-
-    def _holders_of(self, owner: Upstream, slot: int) -> list[tuple[Upstream, int]]:
-        """The owner and each live view that holds worker ``slot``, with its position there."""
-        found = [(owner, slot)]
-        views = [ref() for ref in self.views]
-        self.views = [weakref.ref(view) for view in views if view is not None]
-        for view in views:
-            if view is None:
-                continue
-            held = Upstream(view)
-            if held.worker_indices is None:
-                continue
-            position = held.position_of(slot)
-            if position is not None:
-                found.append((held, position))
-        return found
-
-    def _reset_slot(self, env: Upstream, supervisor: WorkerSupervisor, slot: int, channel: Any) -> None:
-        channel.send(("reset", (False, {})))
-        timeout = self.options.step_timeout
-        owner = env.owner
-        answers = Answers(owner.done_flags, owner.events)
-        self._await(
-            supervisor, slot, lambda: answers.take(slot), env.pipe_timeout if timeout is None else timeout
-        )
-        self.fresh_obs[slot] = owner.slot_buffers[slot].select(*owner.obs_keys).clone()
-
-    def _await(
-        self,
-        supervisor: WorkerSupervisor,
-        slot: int,
-        ready: Callable[[], bool],
-        limit: float,
-        channel: Any = None,
-    ) -> None:
-        """Poll ``ready`` until true, waking early when the worker (or ``channel``) does; a
-        replacement that dies or takes more than ``limit`` seconds meanwhile raises
-        _ReplacementLost (its loss is then the supervisor's next)."""
-        hang_at = time.monotonic() + limit
-        waitables: list[Any] = [supervisor.sentinel(slot)] + ([channel] if channel is not None else [])
-        pause = 1e-4
-        while not ready():
-            if supervisor.is_gone(slot):
-                supervisor.poll()
-                supervisor.wait_handled(slot, _LOSS_WAIT)
-                raise _ReplacementLost
-            if time.monotonic() >= hang_at:
-                supervisor.kill_hung(slot, limit)
-                supervisor.wait_handled(slot, _LOSS_WAIT)
-                raise _ReplacementLost
-            multiprocessing.connection.wait(waitables, timeout=pause)
-            pause = min(2 * pause, _POLL_SLICE)
+            log.exception("on_restart raised for %s; the env goes on", record)
 
     def _mark(self, env: Upstream, slot: int) -> None:
         owner = env.owner

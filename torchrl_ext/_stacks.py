@@ -41,6 +41,12 @@ def stacks_path(report_path: str) -> str:
     return report_path + ".stacks"
 
 
+def built_path(report_path: str) -> str:
+    """The file a worker creates once its env is built (next to its report file): what the
+    start-up bound (``start_timeout``) reads to tell a worker still building from a built one."""
+    return report_path + ".built"
+
+
 def arm(path: str) -> None:
     """In the worker: dump every thread's stack to ``path`` (appending) on STACKS_SIGNAL."""
     global _armed

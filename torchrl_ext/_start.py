@@ -15,11 +15,16 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import signal
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _cpython, _forkserver, _identity, _lifecycle, _platform, _reaper_client
+import psutil
+
+from . import _cpython, _forkserver, _identity, _lifecycle, _platform, _reaper_client, _stacks
 from ._compat import (
     UPSTREAM_DEFAULTS,
     ConfiguredKwargs,
@@ -31,9 +36,10 @@ from ._compat import (
     worker_context,
 )
 from ._done_signal import has_spare_core
-from ._errors import DaemonicParentError
+from ._errors import DaemonicParentError, WorkerStartTimeoutError
 from ._metadata import metadata_in_subprocess
 from ._options import Options
+from ._replace import describe_factory
 from ._report import SupervisionReport
 from ._restart import RestartEngine, raise_failure
 from ._stats import EnvStats
@@ -224,7 +230,76 @@ class EnvState:
 
 
 def start_workers(env: Any, state: EnvState, start_upstream: Callable[[], None]) -> None:
-    """Start ``env``'s workers through TorchRL's ``start_upstream``, supervised from birth."""
+    """Start ``env``'s workers through TorchRL's ``start_upstream``, supervised from birth; a
+    start whose worker passed ``start_timeout`` is retried whole within ``max_restarts``."""
+    while True:
+        try:
+            _start_once(env, state, start_upstream)
+            return
+        except WorkerStartTimeoutError as err:
+            engine = state.engine
+            if not engine.on or not engine.budget.allows(time.monotonic()):
+                raise
+            log.warning("%s; starting all workers again (max_restarts=%d)", err, state.options.max_restarts)
+
+
+class StartWatch:
+    """Bounds TorchRL's start-up handshake by ``start_timeout``: at the deadline, each worker
+    that has not built its env (no ``_stacks.built_path`` file) gets its stacks taken and is
+    killed with its process group; TorchRL's wait for its "started" then ends in EOF."""
+
+    def __init__(self, env: Upstream, supervisor: WorkerSupervisor, timeout: float | None) -> None:
+        self.env, self.supervisor, self.timeout = env, supervisor, timeout
+        #: Per slot killed: its pid and stacks (written by the watch thread, read after its join).
+        self.timed_out: dict[int, tuple[int, str | None]] = {}
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> StartWatch:
+        if self.timeout is not None:
+            self._thread = threading.Thread(target=self._watch, name="torchrl_ext-start-watch", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _watch(self) -> None:
+        assert self.timeout is not None
+        if self._done.wait(self.timeout):
+            return
+        for index, process in enumerate(list(self.env.workers or [])):
+            report = self.supervisor.report_path(index)
+            pid = process.pid
+            if pid is None or os.path.exists(_stacks.built_path(report)):
+                continue
+            try:
+                proc = psutil.Process(pid)
+                ctime = proc.create_time()
+            except psutil.Error:
+                continue
+            stacks = _stacks.capture(pid, ctime, report)
+            # A spawned worker still importing has not made its own group yet: kill it alone.
+            if _platform.process_group_of(pid) == pid:
+                _platform.kill_process_group(pid, signal.SIGKILL)
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+            self.timed_out[index] = (pid, stacks)
+
+    def failure(self) -> WorkerStartTimeoutError | None:
+        if not self.timed_out:
+            return None
+        index = min(self.timed_out)
+        pid, stacks = self.timed_out[index]
+        factories = self.env.factories
+        fn = factories[index] if isinstance(factories, list | tuple) else factories
+        assert self.timeout is not None
+        return WorkerStartTimeoutError(index, pid, self.timeout, describe_factory(fn), stacks=stacks)
+
+
+def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -> None:
     options = state.options
     current = multiprocessing.current_process()
     if current.daemon:
@@ -270,16 +345,19 @@ def start_workers(env: Any, state: EnvState, start_upstream: Callable[[], None])
     if exit_with_parent is None:
         exit_with_parent = _lifecycle.multiprocessing_parent() is not None
     _lifecycle.register(env, options.handle_signals, options.reap_orphans, exit_with_parent)
+    watch = StartWatch(upstream, supervisor, options.start_timeout)
     try:
         with (
             managed_worker_targets(),
             worker_context(env, plan.context),
             tagged_spawns(tag),
             engine.recording() as started,
+            watch,
         ):
             start_upstream()
     except BaseException as err:
         failure = abort_start(env, supervisor, err, options.shutdown_timeout)
+        failure = watch.failure() or failure
         if failure is None:
             raise
         raise_failure(failure)
@@ -292,8 +370,9 @@ def start_workers(env: Any, state: EnvState, start_upstream: Callable[[], None])
         abort_start(env, supervisor, err, options.shutdown_timeout)
         raise
     # Losses (not failures) from here on: the start succeeded (a failed one reports deaths).
-    supervisor.enable_restarts(engine.on)
+    supervisor.enable_restarts(engine.on, replaceable=options.replaces)
     upstream.channels = supervisor.attach(processes, upstream.channels)
+    engine.attached(env, supervisor)
     upstream.workers = SupervisedWorkers(processes, supervisor.check)
     supervisor.done_signal.spare_core = has_spare_core(len(processes))
     state.worker_pids = [p.pid for p in processes]
@@ -305,13 +384,15 @@ def _check_restartable(env: Upstream) -> None:
     """Restarts and hang detection work on TorchRL's shared buffers, with tensors only."""
     if not env.use_buffers:
         raise ValueError(
-            "max_restarts and step_timeout need TorchRL's shared buffers; this env has "
-            "use_buffers=False. Pass use_buffers=True, or max_restarts=0 and step_timeout=None."
+            "max_restarts, step_timeout and recycling need TorchRL's shared buffers; this env has "
+            "use_buffers=False. Pass use_buffers=True, or max_restarts=0, step_timeout=None and no "
+            "recycle_memory/recycle_every."
         )
     if env.non_tensor_keys:
         raise ValueError(
-            "max_restarts and step_timeout are not supported for envs with non-tensor specs "
-            f"({env.non_tensor_keys}); pass max_restarts=0 and step_timeout=None."
+            "max_restarts, step_timeout and recycling are not supported for envs with non-tensor "
+            f"specs ({env.non_tensor_keys}); pass max_restarts=0, step_timeout=None and no "
+            "recycle_memory/recycle_every."
         )
 
 

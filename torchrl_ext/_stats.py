@@ -258,6 +258,10 @@ class EnvStats:
         publish(self.status_path, self.label, owner, rows, None if last is None else 1e3 * last)
 
 
+#: Restart causes counted as hangs: no answer within ``step_timeout`` or ``start_timeout``.
+_HANGS = ("hung", "start_timeout")
+
+
 def snapshot(
     stats: EnvStats,
     *,
@@ -271,6 +275,7 @@ def snapshot(
     with stats.reading:
         stats.sampler.read_at = time.monotonic()
         calls, losses = stats.calls, stats.losses
+        lost = [r for r in restarts if not r.recycled]
         out: dict[str, float | int] = {
             "workers": num_workers,
             "workers_alive": sum(alive),
@@ -279,14 +284,17 @@ def snapshot(
             "wait_s": calls.wait_s,
             **calls.step_latency.summary("step"),
             **calls.reset_latency.summary("reset"),
-            "restarts": len(restarts),
-            "restarts_died": sum(isinstance(r.cause, int) for r in restarts),
-            "restarts_hung": sum(r.cause == "hung" for r in restarts),
-            "restarts_error": sum(isinstance(r.cause, str) and r.cause != "hung" for r in restarts),
+            "restarts": len(lost),
+            "restarts_died": sum(isinstance(r.cause, int) for r in lost),
+            "restarts_hung": sum(r.cause in _HANGS for r in lost),
+            "restarts_error": sum(isinstance(r.cause, str) and r.cause not in _HANGS for r in lost),
+            "recycles": len(restarts) - len(lost),
+            "recycles_memory": sum(r.cause == "memory" for r in restarts),
+            "recycles_episodes": sum(r.cause == "episodes" for r in restarts),
             "deaths": losses.deaths,
             "hangs": losses.hangs,
             "env_errors": losses.env_errors,
-            "seconds_since_restart": time.time() - restarts[-1].time if restarts else float("nan"),
+            "seconds_since_restart": time.time() - lost[-1].time if lost else float("nan"),
         }
         samples = {slot: s for slot, s in stats.sampler.samples.items() if slot < len(alive) and alive[slot]}
         pss = [s.pss for s in samples.values()]
@@ -301,7 +309,8 @@ def snapshot(
                 sample = samples.get(slot)
                 prefix = f"worker_{slot}/"
                 out[prefix + "alive"] = int(slot < len(alive) and alive[slot])
-                out[prefix + "restarts"] = sum(r.slot == slot for r in restarts)
+                out[prefix + "restarts"] = sum(r.slot == slot for r in lost)
+                out[prefix + "recycles"] = sum(r.slot == slot for r in restarts) - out[prefix + "restarts"]
                 if sample is not None:
                     out[prefix + "pid"] = sample.pid
                     out[prefix + "rss_bytes"] = sample.rss

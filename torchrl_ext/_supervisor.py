@@ -86,16 +86,25 @@ class WorkerSupervisor:
         #: workers (tree already killed) the env has not handled yet; their failures are not
         #: raised here (``first_failure`` stays None).
         self.restartable = False
+        self._replaceable = False
         self.lost: list[WorkerRecord] = []
         self.restarts = 0
         self._retired_fds: list[int] = []
+        #: Recycling (``_recycle``): per slot, a worker started ahead of its turn (not yet a
+        #: slot's worker: its exit is nobody's loss), and the workers recycled out, closing
+        #: gracefully until their deadline (monotonic), then killed. Under the lock.
+        self._standby: dict[int, WorkerRecord] = {}
+        self._retiring: list[tuple[WorkerRecord, float]] = []
         #: Descriptors ``stop()`` left to the watcher to close as it leaves (it outlived the join).
         self._close_on_exit: list[int] = []
 
     # ------------------------------------------------------------------ set-up
-    def enable_restarts(self, on: bool) -> None:
-        """Once the start succeeded, before :meth:`attach`: deaths become losses to restart."""
+    def enable_restarts(self, on: bool, replaceable: bool = False) -> None:
+        """Once the start succeeded, before :meth:`attach`: deaths become losses to restart
+        (``on``); the channels are restartable ones when workers may be replaced at all
+        (restarts or recycling: ``replaceable``)."""
         self.restartable = on
+        self._replaceable = on or replaceable
 
     def report_path(self, index: int) -> str:
         return os.path.join(self.report_dir, f"worker-{index}.report")
@@ -118,7 +127,7 @@ class WorkerSupervisor:
     def _record(self, index: int, process: Any, channel: Any) -> WorkerRecord:
         recorder = channel
         if not isinstance(channel, ParentChannel):
-            recorder = RestartableChannel(channel) if self.restartable else ParentChannel(channel)
+            recorder = RestartableChannel(channel) if self._replaceable else ParentChannel(channel)
         try:
             ctime = psutil.Process(process.pid).create_time()
         except psutil.Error:
@@ -168,6 +177,99 @@ class WorkerSupervisor:
             old.channel.close()  # now, not when a collection finds the old record
         self._wake_watcher()
         return worker.channel
+
+    # ------------------------------------------------------------------ recycling
+    def add_standby(self, index: int, process: Any, channel: Any) -> ParentChannel:
+        """Record ``process`` (started) as slot ``index``'s next worker; returns its channel."""
+        with self._lock:
+            worker = self._record(index, process, channel)
+            self._standby[index] = worker
+        return worker.channel
+
+    def tree_rss(self, index: int) -> int | None:
+        """Slot ``index``'s worker and its known descendants: bytes resident now (``None``:
+        gone). Reads ``/proc`` of each (the recycler, at an episode boundary)."""
+        worker = self._worker(index)
+        proc = _identity.same_process(worker.pid, worker.create_time)
+        if proc is None:
+            return None
+        total = 0
+        for member in [proc, *worker.descendants.values()]:
+            with contextlib.suppress(psutil.Error, OSError):
+                total += member.memory_info().rss
+        return total
+
+    def standby_gone(self, index: int) -> bool:
+        """Whether slot ``index``'s standby worker has exited."""
+        with self._lock:
+            worker = self._standby.get(index)
+        return worker is None or worker.exited() or worker.gone()
+
+    def discard_standby(self, index: int) -> None:
+        """Kill slot ``index``'s standby worker and its tree, and reap it."""
+        with self._lock:
+            worker = self._standby.pop(index, None)
+        if worker is not None:
+            self._end_extras([worker])
+
+    def promote(self, index: int, close_within: float) -> tuple[ParentChannel, ParentChannel]:
+        """Slot ``index``'s standby becomes its worker; the old one retires (it is sent "close"
+        by the caller, and killed with its tree if it has not exited ``close_within`` seconds
+        from now). Returns the new channel and the old one."""
+        with self._lock:
+            new = self._standby.pop(index)
+            position = next(i for i, w in enumerate(self._workers) if w.index == index)
+            old = self._workers[position]
+            self._workers[position] = new
+            self._retiring.append((old, time.monotonic() + close_within))
+        self._wake_watcher()
+        return new.channel, old.channel
+
+    def _watch_retiring(self, ready: list[int]) -> None:
+        """The watcher's part of recycling: reap retired workers that exited (and kill what is
+        left of their trees); kill those past their deadline."""
+        now = time.monotonic()
+        with self._lock:
+            retiring = list(self._retiring)
+        for worker, deadline in retiring:
+            if worker.sentinel in ready or worker.exited() or worker.gone():
+                worker.finished = True
+                self._end_extras([worker])
+                with self._lock:
+                    self._retiring = [r for r in self._retiring if r[0] is not worker]
+            elif now >= deadline:
+                log.warning(
+                    "%s recycled worker %d (pid %d) did not close within its deadline; killing it",
+                    self.label,
+                    worker.index,
+                    worker.pid,
+                )
+                worker.signal(signal.SIGKILL)
+
+    def _end_extras(self, workers: list[WorkerRecord]) -> None:
+        """SIGKILL and reap standby or retired workers and their trees (nobody's loss)."""
+        for worker in workers:
+            worker.signal(signal.SIGKILL)
+        # Their groups and recorded descendants only: a tag scan would match the slot's
+        # current worker too (the same slot's tag).
+        tree = _identity.tree(
+            {w.pid: (w.create_time, w.pid) for w in workers},
+            [proc for w in workers for proc in w.descendants.values()],
+            recent_groups=[w.pid for w in workers],
+            include_workers=False,  # collected by multiprocessing (read_exitcode), not here
+            dying=True,
+        )
+        _identity.kill_and_reap(tree, grace=0.0, kill_wait=2.0)
+        for worker in workers:
+            worker.exitcode = worker.read_exitcode(wait=2.0)
+            worker.handled.set()
+            _reaper_client.unwatch(worker.pid)
+            with contextlib.suppress(OSError):
+                worker.channel.close()
+            with self._lock:
+                if worker.pidfd is not None:
+                    self._retired_fds.append(worker.pidfd)
+                    worker.pidfd = None
 
     def _worker(self, index: int) -> WorkerRecord:
         with self._lock:
@@ -231,6 +333,7 @@ class WorkerSupervisor:
                 if self._stopped:
                     return
                 pending = {w.sentinel: w for w in self._workers if not w.finished}
+                retiring = [w.sentinel for w, _deadline in self._retiring]
                 retired, self._retired_fds = self._retired_fds, []
             for retired_fd in retired:
                 with contextlib.suppress(OSError):
@@ -239,7 +342,11 @@ class WorkerSupervisor:
             # Without pidfds (macOS, old kernels) a sentinel can stay open after the worker died
             # (forked grandchildren inherit it), so those workers are also polled.
             timeout = FALLBACK_POLL_INTERVAL if polled else SNAPSHOT_INTERVAL
-            ready = multiprocessing.connection.wait([*pending, self._wake_r], timeout=timeout)
+            if retiring:
+                timeout = min(timeout, FALLBACK_POLL_INTERVAL)
+            ready = multiprocessing.connection.wait([*pending, *retiring, self._wake_r], timeout=timeout)
+            if retiring:
+                self._watch_retiring([fd for fd in ready if fd in retiring])
             if self._wake_r in ready:
                 with contextlib.suppress(OSError):
                     os.read(self._wake_r, 4096)
@@ -255,7 +362,8 @@ class WorkerSupervisor:
         """Refresh each live worker's descendants; sample their trees for ``stats()`` if due."""
         with self._lock:
             live = [w for w in self._workers if not w.finished]
-        for worker in live:
+            standby = list(self._standby.values())
+        for worker in live + standby:  # a standby's descendants too: they die with it
             worker.refresh()
         if self.stats is not None:
             self.stats.observe(live, self.tag.owner)
@@ -390,6 +498,11 @@ class WorkerSupervisor:
         with self._lock:
             return self.lost[0].loss() if self.lost else None
 
+    def losses(self) -> list[Loss]:
+        """Every loss waiting for its restart, oldest first (their trees are already gone)."""
+        with self._lock:
+            return [w.loss() for w in self.lost]
+
     def lost_slots(self) -> list[int]:
         """The slots whose loss is recorded and not yet handled by a restart."""
         with self._lock:
@@ -430,6 +543,10 @@ class WorkerSupervisor:
         with self._lock:
             self._closing = True
             workers = list(self._workers)
+            extras = list(self._standby.values()) + [w for w, _deadline in self._retiring]
+            self._standby, self._retiring = {}, []
+        if extras:
+            self._end_extras(extras)
         outcome, swept = close_workers(workers, self._tree_of, self.label, reason, t0, timeout)
         self.stop(deadline=t0 + timeout)
         return SupervisionReport(

@@ -60,13 +60,22 @@ class WorkerConfig:
 class _CommandRecorder:
     """Wraps the worker's end of the command pipe to remember the last command received."""
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, built_path: str | None = None) -> None:
         self._conn = conn
         self.last_command: str | None = None
         self.saw_eof = False
+        self._built_path = built_path
         # Bound once: the worker loop polls before every command (no __getattr__ per step).
         self.poll = conn.poll
-        self.send = conn.send
+        self.send: Callable[[Any], None] = self._first_send
+
+    def _first_send(self, obj: Any) -> None:
+        """TorchRL's "started" (its env is built): say so in a file first, for start_timeout."""
+        self.send = self._conn.send
+        if self._built_path is not None:
+            with contextlib.suppress(OSError):
+                open(self._built_path, "wb").close()
+        self._conn.send(obj)
 
     def recv(self) -> Any:
         try:
@@ -80,6 +89,28 @@ class _CommandRecorder:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._conn, name)
+
+
+class _FlagsKeptAtClose:
+    """TorchRL's shared done flags, except the write its loop makes after "close": a recycled
+    worker closes while its successor already answers through the same slot's flag (TorchRL's
+    own close waits on the worker's event, and ours on its exit, never on the flag)."""
+
+    __slots__ = ("_flags", "_recorder")
+
+    def __init__(self, flags: Any, recorder: _CommandRecorder) -> None:
+        self._flags = flags
+        self._recorder = recorder
+
+    def __setitem__(self, index: int, value: int) -> None:
+        if self._recorder.last_command != "close":
+            self._flags[index] = value
+
+    def __getitem__(self, index: int) -> Any:
+        return self._flags[index]
+
+    def __len__(self) -> int:
+        return len(self._flags)
 
 
 class _GCSkippedAfterClose:
@@ -159,8 +190,10 @@ def run_managed(original: Callable[..., Any], config: WorkerConfig, kwargs: dict
     if config.done_fifo and kwargs.get(flags_key) is not None:
         # TorchRL >= 0.11 reports "done" through shared flags; wake the sleeping main process too.
         kwargs[flags_key] = NotifyingFlags(kwargs[flags_key], config.done_fifo)
-    recorder = _CommandRecorder(kwargs[pipe_key])
+    recorder = _CommandRecorder(kwargs[pipe_key], _stacks.built_path(config.report_path))
     kwargs[pipe_key] = recorder
+    if kwargs.get(flags_key) is not None:
+        kwargs[flags_key] = _FlagsKeptAtClose(kwargs[flags_key], recorder)
     if getattr(batched_envs, GC_NAME, None) is gc:  # this process runs only this worker's loop
         setattr(batched_envs, GC_NAME, _GCSkippedAfterClose(recorder))
     try:

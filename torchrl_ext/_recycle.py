@@ -1,0 +1,273 @@
+"""Recycling workers at episode boundaries: ``recycle_memory`` and ``recycle_every``.
+
+A slot becomes *due* when its worker's tree (it and every descendant) holds more than
+``recycle_memory`` bytes resident, or is about to (its RSS at an episode boundary plus what its
+last episode added), or when the worker has run ``recycle_every`` episodes. Between two calls
+the recycler starts the due slot's next worker ahead of time (a *standby*, supervised from
+birth, touching no shared buffer), has it build its env and seeds it. At the slot's next
+episode boundary the standby takes the slot and the old worker is sent "close":
+
+    the slot's next reset              the recycler (env's calling thread)
+    ─────────────────────              ───────────────────────────────────
+    "reset" sent to the slot      ──►  promote the standby, send the reset to it
+    "step_and_maybe_reset"        ──►  sent as "step" (no reset in the old worker); if the
+                                       step ended the episode, promote the standby, reset it
+                                       (its observation is the root's), else nothing
+
+The old worker closes its env and exits by itself (the supervisor kills it with its tree past
+``shutdown_timeout``); nothing is marked: the episode had ended. ``env.restarts`` gets a record
+whose cause is ``"memory"`` or ``"episodes"``. A standby that dies or does not build its env
+within ``start_timeout`` is killed and started again later; the old worker goes on meanwhile.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import multiprocessing.connection
+import time
+from typing import TYPE_CHECKING, Any
+
+from ._channel import RestartableChannel
+from ._compat import Upstream
+from ._done_signal import Answers
+from ._policy import RecycleCause, RestartRecord, replacement_seed
+from ._replace import Launch, Launcher, await_all
+from ._supervisor import WorkerSupervisor
+
+if TYPE_CHECKING:
+    from ._options import Options
+
+__all__ = ["Recycler"]
+
+log = logging.getLogger("torchrl_ext")
+
+
+class Recycler:
+    """What one env does to recycle its workers (see the module docstring).
+
+    Fields (the env's calling thread only): ``episodes`` counts, per slot, the resets of its
+    current worker; ``due`` holds the slots to recycle at their next boundary and why;
+    ``standby`` their next workers once started; ``translated`` the slots whose
+    ``step_and_maybe_reset`` in flight was sent as ``step``; ``rss_at`` each slot's tree RSS at
+    its last boundary (``recycle_memory``).
+    """
+
+    def __init__(self, options: Options, launcher: Launcher) -> None:
+        self.memory = options.recycle_memory
+        self.every = options.recycle_every
+        self.options = options
+        self.launcher = launcher
+        self.episodes: collections.Counter[int] = collections.Counter()
+        self.due: dict[int, RecycleCause] = {}
+        self.standby: dict[int, Launch] = {}
+        self.translated: set[int] = set()
+        self.rss_at: dict[int, int] = {}
+        self._seen_samples: object = None
+        #: Per standby, the seed it was given (``(seed, static_seed)``; ``None``: never seeded).
+        self._standby_seed: dict[int, tuple[int, bool] | None] = {}
+        #: Per slot swapped whose first reset is still answered: its record and the swap's time.
+        self._records: dict[int, tuple[RestartRecord, float, str]] = {}
+
+    @property
+    def on(self) -> bool:
+        return self.memory is not None or self.every is not None
+
+    # ------------------------------------------------------------------ between calls
+    def pending(self, supervisor: WorkerSupervisor) -> bool:
+        """Whether a standby must be started or is starting (no system call)."""
+        if self.memory is not None and supervisor.stats is not None:
+            samples = supervisor.stats.sampler.samples
+            if samples is not self._seen_samples:  # a new sample (once a second)
+                self._seen_samples = samples
+                pids = supervisor.pids()
+                for slot, sample in samples.items():
+                    if slot < len(pids) and sample.pid == pids[slot] and sample.rss > self.memory:
+                        self.due.setdefault(slot, "memory")
+        return any(slot not in self.standby or not self.standby[slot].ready for slot in self.due)
+
+    def prepare(self, env: Upstream, supervisor: WorkerSupervisor, engine: Any) -> None:
+        """Start the due slots' standbys; finish the handshake of those that built their env."""
+        for slot in self.due:
+            if slot not in self.standby:
+                self._launch(supervisor, slot, engine)
+        for slot, launch in list(self.standby.items()):
+            if not launch.ready:
+                self._try_ready(supervisor, slot, launch, wait=False)
+
+    def _launch(self, supervisor: WorkerSupervisor, slot: int, engine: Any) -> None:
+        supervisor.forget_report(slot)
+        launch = self.launcher.launch(slot, supervisor.tag)
+        launch.channel = supervisor.add_standby(slot, launch.process, launch.channel)
+        self.standby[slot] = launch
+        engine.incarnations[slot] += 1
+        seed = engine.seeds.get(slot)
+        self._standby_seed[slot] = (
+            None if seed is None else (replacement_seed(seed[0], slot, engine.incarnations[slot]), seed[1])
+        )
+
+    def _try_ready(self, supervisor: WorkerSupervisor, slot: int, launch: Launch, wait: bool) -> bool:
+        """Finish ``launch``'s handshake (and seeding); with ``wait``, up to ``start_timeout``.
+        A standby that died or is late is discarded (started again at the next call)."""
+        limit = self.options.start_timeout
+        deadline = launch.launched_at + (limit if limit is not None else float("inf"))
+        while True:
+            if launch.channel.poll(0):
+                try:
+                    launch.channel.recv()  # "started"
+                except Exception:
+                    break
+                launch.channel.send(("init", None))
+                seed = self._standby_seed.get(slot)
+                if seed is not None:
+                    launch.channel.send(("seed", seed))
+                    if not launch.channel.poll(self._answer_limit) or not _recv(launch.channel):
+                        break
+                launch.ready = True
+                return True
+            if supervisor.standby_gone(slot) or time.monotonic() >= deadline:
+                break
+            if not wait:
+                return False
+            multiprocessing.connection.wait([launch.channel, launch.process.sentinel], timeout=0.02)
+        log.warning(
+            "%s could not start slot %d's next worker (pid %s) for recycling; its current worker "
+            "goes on, and another is started at the next call",
+            supervisor.label,
+            slot,
+            launch.process.pid,
+        )
+        self.standby.pop(slot, None)
+        supervisor.discard_standby(slot)
+        return False
+
+    @property
+    def _answer_limit(self) -> float:
+        return self.options.step_timeout if self.options.step_timeout is not None else 60.0
+
+    # ------------------------------------------------------------------ boundaries
+    def route(self, env: Upstream, supervisor: WorkerSupervisor, engine: Any, slot: int, message: Any) -> Any:
+        """A command to slot ``slot``'s channel: ``None`` to send it as is, else
+        ``(channel, message)`` to send instead (see the module docstring)."""
+        command = message[0]
+        if command == "reset":
+            if slot in self.due and self._standby_ready(supervisor, slot):
+                channel = self._swap(env, supervisor, engine, slot, "reset", time.monotonic())
+                return channel, message
+            self._boundary(supervisor, slot)
+            return None
+        if command == "step_and_maybe_reset" and slot in self.due and slot in self.standby:
+            self.translated.add(slot)
+            return None, ("step", message[1])
+        return None
+
+    def after_wait(self, env: Upstream, supervisor: WorkerSupervisor, engine: Any, slots: list[int]) -> None:
+        """After the answers of ``slots``: a swapped slot's first reset is done (its record is
+        kept); episode ends inside ``step_and_maybe_reset`` are counted, and a translated slot
+        whose episode ended gets its standby, reset."""
+        owner = env.owner
+        for slot in slots:
+            if slot in self._records:
+                self._finish_record(engine, slot)
+            translated = slot in self.translated
+            channel = owner.channels[slot]
+            if not translated and getattr(channel, "last_command", None) != "step_and_maybe_reset":
+                continue
+            self.translated.discard(slot)
+            if not _episode_ended(owner, slot):
+                continue
+            if not translated:
+                self._boundary(supervisor, slot)  # the worker reset its env itself
+                continue
+            t0 = time.monotonic()
+            target = channel
+            if self._standby_ready(supervisor, slot):
+                target = self._swap(env, supervisor, engine, slot, "step_and_maybe_reset", t0)
+            # Else the standby could not start: the old worker resets its env, as it was asked.
+            target.send(("reset", (False, {})))  # counted by the route
+            answers = Answers(owner.done_flags, owner.events)
+            await_all(supervisor, {slot: functools.partial(answers.take, slot)}, self._answer_limit)
+            if slot in self._records:
+                self._finish_record(engine, slot)
+
+    def _boundary(self, supervisor: WorkerSupervisor, slot: int) -> None:
+        """Slot ``slot``'s worker starts an episode: count it; is the slot due now?"""
+        self.episodes[slot] += 1
+        if self.every is not None and self.episodes[slot] >= self.every:
+            self.due.setdefault(slot, "episodes")
+        if self.memory is not None:
+            rss = supervisor.tree_rss(slot)
+            if rss is not None:
+                grew = max(0, rss - self.rss_at.get(slot, rss))
+                self.rss_at[slot] = rss
+                if rss + grew > self.memory:  # over, or would be after one more such episode
+                    self.due.setdefault(slot, "memory")
+
+    def _standby_ready(self, supervisor: WorkerSupervisor, slot: int) -> bool:
+        launch = self.standby.get(slot)
+        return launch is not None and (launch.ready or self._try_ready(supervisor, slot, launch, wait=True))
+
+    def _swap(
+        self, env: Upstream, supervisor: WorkerSupervisor, engine: Any, slot: int, command: str, t0: float
+    ) -> Any:
+        """The standby takes slot ``slot``; the old worker is sent "close". Returns the new channel."""
+        launch = self.standby.pop(slot)
+        cause = self.due.pop(slot)
+        old_pid = supervisor.pids()[slot]
+        new, old = supervisor.promote(slot, self.options.shutdown_timeout)
+        assert isinstance(new, RestartableChannel) and isinstance(old, RestartableChannel)
+        self.launcher.install(env, launch, new)
+        new.route = old.route
+        old.route = None
+        old.intercept = None
+        old.send(("close", None))
+        self.episodes[slot] = 0
+        self.rss_at.pop(slot, None)
+        seed = self._standby_seed.pop(slot, None)
+        record = RestartRecord(
+            slot,
+            old_pid,
+            launch.process.pid,
+            cause,
+            command,
+            time.time(),
+            0.0,
+            seed=None if seed is None else seed[0],
+        )
+        self._records[slot] = (record, t0, supervisor.label)
+        return new
+
+    def _finish_record(self, engine: Any, slot: int) -> None:
+        """Slot ``slot``'s new worker answered its first reset: its record, with the time the
+        swap took (the reset included), goes to ``env.restarts`` and ``on_restart``."""
+        record, t0, label = self._records.pop(slot)
+        done = dataclasses.replace(record, ready_after=time.monotonic() - t0)
+        engine.restarts.append(done)
+        log.info("%s recycled worker %s", label, done)
+        engine.notify(done)
+
+    def forget_slot(self, supervisor: WorkerSupervisor, slot: int) -> None:
+        """Slot ``slot`` lost its worker (restarted): its recycling starts over."""
+        self.episodes[slot] = 0
+        self.due.pop(slot, None)
+        self.translated.discard(slot)
+        self.rss_at.pop(slot, None)
+        self._records.pop(slot, None)
+        if self.standby.pop(slot, None) is not None:
+            supervisor.discard_standby(slot)
+
+
+def _recv(channel: Any) -> bool:
+    try:
+        channel.recv()
+    except Exception:
+        return False
+    return True
+
+
+def _episode_ended(owner: Upstream, slot: int) -> bool:
+    """Whether slot ``slot``'s last answer ended its episode (its ``("next", "done")``)."""
+    done = owner.slot_buffers[slot].get(("next", "done"), None)
+    return bool(done is not None and done.any())

@@ -1,0 +1,229 @@
+"""Starting workers in place of others: from the slot's recorded process, on fresh pipes, with
+every handshake, seed and reset of one round sent first and awaited together.
+
+The restart engine (``_restart``) replaces lost workers with it; the recycler (``_recycle``)
+starts a slot's next worker ahead of time with it. A :class:`Launch` is one such process from
+its start until it answers its first command; the :class:`Launcher` holds what every launch
+needs (the templates recorded at the env's start, how it started, the reaper's FIFO).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing.connection
+import time
+import weakref
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import _platform
+from ._compat import PER_START_KWARGS, WORKER_KWARGS, ConfiguredKwargs, Upstream
+from ._cpython import process_kwargs, process_start_method
+from ._done_signal import Answers
+from ._supervisor import WorkerSupervisor
+from ._tag import tagged_spawns
+from ._templates import copy_unstarted
+
+if TYPE_CHECKING:
+    from ._start import StartPlan
+
+__all__ = ["Launch", "Launcher", "await_all", "describe_factory"]
+
+#: Longest pause between checks while replacements start or answer.
+POLL_SLICE = 0.02
+#: How long the supervisor may take to handle a worker's exit (its tree's SIGKILL included).
+LOSS_WAIT = 10.0
+
+
+@dataclass(eq=False)
+class Launch:
+    """One worker started for ``slot`` (fields set by :class:`Launcher`, then by the engine)."""
+
+    slot: int
+    process: Any
+    #: The parent's end of its pipe: raw until it is installed, then the supervisor's channel.
+    channel: Any
+    event: Any
+    #: ``time.monotonic()`` when it was started.
+    launched_at: float
+    #: Set once it said it built its env and was sent "init".
+    ready: bool = False
+
+
+class Launcher:
+    """Starts copies of the slots' recorded worker processes and installs them in the env.
+
+    Fields and who changes them (the env's calling thread only): ``templates``, ``plan`` and
+    ``fifo`` are set at each start (:meth:`adopt`) and dropped at close (:meth:`forget`);
+    ``views`` holds weak references to the indexed views whose lists must follow a slot.
+    """
+
+    def __init__(self) -> None:
+        #: Per slot, the worker process as TorchRL built it, unstarted (see recording_starts).
+        self.templates: list[Any] = []
+        #: How this start went (a replacement starts the same way) and its reaper's FIFO.
+        self.plan: StartPlan | None = None
+        self.fifo = ""
+        self.views: list[weakref.ref[Any]] = []
+
+    def launch(self, slot: int, tag: Any) -> Launch:
+        """Start a copy of slot ``slot``'s worker on a fresh pipe and event (not installed:
+        it touches no shared buffer before its first command)."""
+        template = self.templates[slot]
+        assert self.plan is not None  # set with the templates
+        ctx = self.plan.worker_context
+        kwargs = dict(process_kwargs(template))
+        parent_pipe, child_pipe = ctx.Pipe()
+        event = ctx.Event()
+        kwargs.update(zip(PER_START_KWARGS, (parent_pipe, child_pipe, event), strict=True))
+        key = WORKER_KWARGS["env_kwargs"]
+        env_kwargs = kwargs.get(key)
+        if isinstance(env_kwargs, ConfiguredKwargs):
+            arm = _platform.parent_death_outlives_worker(process_start_method(template))
+            kwargs[key] = ConfiguredKwargs(
+                dict(env_kwargs), dataclasses.replace(env_kwargs.trx_config, arm_pdeathsig=arm)
+            )
+        self.plan.refresh(self.fifo)
+        process = copy_unstarted(template, kwargs)
+        with tagged_spawns(tag):
+            process.start()
+        child_pipe.close()
+        return Launch(slot, process, parent_pipe, event, time.monotonic())
+
+    def install(self, env: Upstream, launch: Launch, channel: Any) -> None:
+        """Put ``launch`` (recorded by the supervisor as ``channel``) in the owner's lists and
+        in those of every indexed view holding its slot (TorchRL >= 0.14 gives a view lists of
+        its own, indexed by its position in the view)."""
+        launch.channel = channel
+        for holder, position in self._holders_of(env.owner, launch.slot):
+            holder.workers[position] = launch.process
+            holder.channels[position] = channel
+            events = holder.events
+            if events is not None:
+                events[position] = launch.event
+
+    def _holders_of(self, owner: Upstream, slot: int) -> list[tuple[Upstream, int]]:
+        found = [(owner, slot)]
+        views = [ref() for ref in self.views]
+        self.views = [weakref.ref(view) for view in views if view is not None]
+        for view in views:
+            if view is None:
+                continue
+            held = Upstream(view)
+            if held.worker_indices is None:
+                continue
+            position = held.position_of(slot)
+            if position is not None:
+                found.append((held, position))
+        return found
+
+    def factory_name(self, env: Upstream, slot: int) -> str:
+        factories = env.owner.factories
+        fn = factories[slot] if isinstance(factories, list | tuple) and slot < len(factories) else factories
+        return describe_factory(fn)
+
+
+def describe_factory(fn: Any) -> str:
+    """A factory as a user recognises it: ``module.name``, or its repr."""
+    inner = getattr(fn, "func", None) or getattr(fn, "create_env_fn", None) or fn
+    name = getattr(inner, "__qualname__", None)
+    module = getattr(inner, "__module__", None)
+    return f"{module}.{name}" if name and module else repr(fn)
+
+
+def await_all(
+    supervisor: WorkerSupervisor,
+    waits: dict[int, Callable[..., bool]],
+    limit: float,
+    channels: dict[int, Any] | None = None,
+    since: dict[int, float] | None = None,
+) -> tuple[set[int], set[int]]:
+    """Poll each slot's ``ready`` until true, waking early when a worker (or its channel) does.
+    A worker that dies meanwhile, or is not ready ``limit`` seconds after ``since[slot]``
+    (default: now), is lost: a late one is killed with its tree (``kill_hung``). Returns the
+    lost slots and, among them, the late ones; each loss is handled (the supervisor's next)."""
+    now = time.monotonic()
+    deadlines = {slot: (since or {}).get(slot, now) + limit for slot in waits}
+    pending = dict(waits)
+    lost: set[int] = set()
+    late: set[int] = set()
+    pause = 1e-4
+    while pending:
+        for slot, ready in list(pending.items()):
+            if ready():
+                del pending[slot]
+            elif supervisor.is_gone(slot):
+                supervisor.poll()
+                supervisor.wait_handled(slot, LOSS_WAIT)
+                lost.add(slot)
+                del pending[slot]
+            elif time.monotonic() >= deadlines[slot]:
+                supervisor.kill_hung(slot, limit)
+                supervisor.wait_handled(slot, LOSS_WAIT)
+                lost.add(slot)
+                late.add(slot)
+                del pending[slot]
+        if not pending:
+            break
+        waitables: list[Any] = [supervisor.sentinel(slot) for slot in pending]
+        waitables += [c for slot, c in (channels or {}).items() if slot in pending]
+        multiprocessing.connection.wait(waitables, timeout=pause)
+        pause = min(2 * pause, POLL_SLICE)
+    return lost, late
+
+
+def handshake(supervisor: WorkerSupervisor, launches: Collection[Launch], limit: float) -> set[int]:
+    """TorchRL's handshake with every launch at once: each says it built its env, then is sent
+    "init". Returns the slots lost meanwhile (``limit``: ``start_timeout``); the others are ready."""
+    waits = {launch.slot: (lambda c=launch.channel: bool(c.poll(0))) for launch in launches}
+    channels = {launch.slot: launch.channel for launch in launches}
+    since = {launch.slot: launch.launched_at for launch in launches}
+    lost, late = await_all(supervisor, waits, limit, channels, since)
+    for launch in launches:
+        if launch.slot in lost:
+            continue
+        try:
+            launch.channel.recv()  # "started"; at EOF, it died while building its env
+        except Exception:
+            supervisor.wait_handled(launch.slot, LOSS_WAIT)
+            lost.add(launch.slot)
+            continue
+        launch.channel.send(("init", None))
+        launch.ready = True
+    return late
+
+
+def seed_all(supervisor: WorkerSupervisor, seeds: dict[int, tuple[Launch, int, bool]], limit: float) -> None:
+    """Seed each launch (``slot -> (launch, seed, static_seed)``) as TorchRL's ``set_seed`` does
+    (``torch.manual_seed`` and the env's ``set_seed`` in the worker), all sent first."""
+    for launch, seed, static in seeds.values():
+        launch.channel.send(("seed", (seed, static)))
+    waits = {slot: (lambda c=launch.channel: bool(c.poll(0))) for slot, (launch, _s, _t) in seeds.items()}
+    channels = {slot: launch.channel for slot, (launch, _s, _t) in seeds.items()}
+    lost, _late = await_all(supervisor, waits, limit, channels)
+    for slot, (launch, _seed, _static) in seeds.items():
+        if slot in lost:
+            launch.ready = False
+            continue
+        try:
+            launch.channel.recv()  # ("seeded", next seed)
+        except Exception:
+            supervisor.wait_handled(slot, LOSS_WAIT)
+            launch.ready = False
+
+
+def reset_all(
+    supervisor: WorkerSupervisor, env: Upstream, launches: Collection[Launch], limit: float
+) -> None:
+    """Reset each launch's env (no input, no kwargs), all sent first; a launch lost meanwhile
+    is no longer ``ready``."""
+    owner = env.owner
+    answers = Answers(owner.done_flags, owner.events)
+    for launch in launches:
+        launch.channel.send(("reset", (False, {})))
+    waits = {launch.slot: (lambda s=launch.slot: bool(answers.take(s))) for launch in launches}
+    lost, _late = await_all(supervisor, waits, limit)
+    for launch in launches:
+        if launch.slot in lost:
+            launch.ready = False
