@@ -62,6 +62,8 @@ class ToyEnv(EnvBase):
         step_gate: str | None = None,
         die_in_init_if: str | None = None,
         grow_mb_per_step: int = 0,
+        grow_mb_per_reset: int = 0,
+        init_gate: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(batch_size=torch.Size([]), **kwargs)
@@ -74,6 +76,17 @@ class ToyEnv(EnvBase):
         armed = bool(die_in_init_if) and self._in_worker() and os.path.exists(str(die_in_init_if))
         if armed and (die_flag is None or _claim(die_flag)):
             os.kill(os.getpid(), signal.SIGKILL)
+        # Armed (``<init_gate>.armed`` exists, or ``<init_gate>.once`` claimed): a worker built
+        # from now on records "building" (with ``pid_dir``) and waits, in its factory, until
+        # the file ``init_gate`` exists (never, for a hang).
+        if init_gate and self._in_worker():
+            once = os.path.exists(init_gate + ".once") and _claim(init_gate + ".once.taken")
+            if os.path.exists(init_gate + ".armed") or once:
+                if pid_dir:
+                    with open(os.path.join(pid_dir, f"building-{os.getpid()}-{os.getpid()}"), "w") as fh:
+                        fh.write(str(os.getpid()))
+                while not os.path.exists(init_gate):
+                    time.sleep(0.005)
         self.loader_kind = loader
         self.dl_workers = dl_workers
         self.dl_context = dl_context
@@ -93,8 +106,9 @@ class ToyEnv(EnvBase):
         #: In a worker, each step records "stepping" (with ``pid_dir``) and then waits until the
         #: file ``step_gate`` exists: the test decides when the step may end.
         self.step_gate = step_gate
-        #: Each step keeps this many more MiB, every page touched (resident), until it dies.
+        #: Each step (reset) keeps this many more MiB, every page touched (resident), until it dies.
         self.grow_mb_per_step = grow_mb_per_step
+        self.grow_mb_per_reset = grow_mb_per_reset
         self._kept: list[bytes] = []
         self._steps = 0
         self._iter: Any = None
@@ -191,6 +205,8 @@ class ToyEnv(EnvBase):
         if self.raise_in == "reset":
             raise KeyError("boom in reset")
         self._resets += 1
+        if self.grow_mb_per_reset:
+            self._kept.append(b"\x01" * (self.grow_mb_per_reset << 20))
         due = self.die_flag and self._resets == self.die_once_at_reset and self._in_worker()
         if due and _claim(str(self.die_flag)):  # once per flag: not again in the replacement
             if self.pid_dir:
@@ -253,6 +269,9 @@ class ToyEnv(EnvBase):
         self._episode = int(seed or 0) % 8
 
     def close(self, *args: Any, **kwargs: Any) -> None:
+        if self._in_worker() and self.pid_dir and not getattr(self, "_closed_once", False):
+            self._closed_once = True
+            self._record("closed", os.getpid())  # its env was closed (a graceful end)
         if self.block_close and self._in_worker():
             while True:
                 time.sleep(1)
@@ -301,6 +320,25 @@ def _parent_death_signal() -> int:
 
 def make_env(**kwargs: Any) -> ToyEnv:
     return ToyEnv(**kwargs)
+
+
+class NoiseEnv(ToyEnv):
+    """A ToyEnv whose observations are torch random draws: its data depends on the worker's
+    seed (``set_seed`` seeds torch in the worker), nothing else."""
+
+    def _reset(self, tensordict: TensorDict | None = None, **kwargs: Any) -> TensorDict:
+        out = super()._reset(tensordict, **kwargs)
+        out["observation"] = torch.rand(OBS)
+        return out
+
+    def _step(self, tensordict: TensorDict) -> TensorDict:
+        out = super()._step(tensordict)
+        out["observation"] = torch.rand(OBS)
+        return out
+
+
+def make_noise_env(**kwargs: Any) -> NoiseEnv:
+    return NoiseEnv(**kwargs)
 
 
 #: How the probe env encodes a worker's default start method in its observation.

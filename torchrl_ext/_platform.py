@@ -313,6 +313,39 @@ def cgroup_oom_kills(cgroup: str) -> int | None:
     return None
 
 
+#: ``PF_EXITING`` in the flags of ``/proc/<pid>/stat`` (the kernel is tearing the process down).
+_PF_EXITING = 0x4
+
+
+def is_dying(pid: int) -> bool:
+    """Whether ``pid`` is exiting or about to: gone, a zombie, its exit begun, or a SIGKILL
+    pending (what the OOM killer sends). Off Linux: whether it is gone.
+
+    Example:
+        >>> is_dying(os.getpid())
+        False
+    """
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            fields = fh.read().rpartition(")")[2].split()
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
+            status = dict(line.split(":", 1) for line in fh if ":" in line)
+    except OSError:
+        if not os.path.isdir("/proc/self"):  # no procfs: only whether it runs at all
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            except OSError:
+                return False
+            return False
+        return True
+    state, flags = fields[0], int(fields[6])
+    kill_bit = 1 << (signal.SIGKILL - 1)
+    pending = any(int(status.get(key, "0").strip() or "0", 16) & kill_bit for key in ("SigPnd", "ShdPnd"))
+    return state in ("Z", "X", "x") or bool(flags & _PF_EXITING) or pending
+
+
 def cgroup_memory_limit(cgroup: str) -> int | None:
     """``cgroup``'s memory limit in bytes (v2 ``memory.max``, v1 ``memory.limit_in_bytes``);
     ``None`` when unlimited or unreadable."""

@@ -109,8 +109,12 @@ class WorkerRecord:
         """While it runs: forget descendants that ended (a DataLoader per reset starts new ones
         every episode) and add the new ones (a new dict replaces the old one, so readers in
         other threads never see it change size under them); read its cgroup's OOM-kill count."""
-        self.cgroup = _platform.memory_cgroup(self.pid)
-        self.oom_kills = None if self.cgroup is None else _platform.cgroup_oom_kills(self.cgroup)
+        cgroup = _platform.memory_cgroup(self.pid)
+        count = None if cgroup is None else _platform.cgroup_oom_kills(cgroup)
+        # Read after the count: a worker already dying (the OOM killer counts its kill when
+        # it sends SIGKILL, a moment before the exit) keeps the baseline it had.
+        if not _platform.is_dying(self.pid):
+            self.cgroup, self.oom_kills = cgroup, count
         descendants = {k: proc for k, proc in self.descendants.items() if _identity.alive(proc)}
         for proc in _identity.descendants(self.pid):
             key = _identity.key_of(proc)
