@@ -1,0 +1,240 @@
+"""Recycling workers at episode boundaries (``recycle_every``, ``recycle_memory``).
+
+A recycled slot's next episode runs in a fresh worker started ahead of time; the old worker's
+env is closed (it records "closed" in ``pid_dir``) and the worker exits; nothing is marked.
+ToyEnv episodes are 5 steps; each step observes ``obs + 1`` of the one before, and a fresh
+env's episode ``e`` starts at ``arange(4) + 100 * e``: the data shows where an episode began.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+from tests.conftest import start_kwargs
+from tests.envs import OBS, make_env
+from tests.polling import wait_until
+from torchrl_ext import ManagedParallelEnv
+from torchrl_ext._policy import parse_bytes
+
+STARTS = [pytest.param("preloaded", marks=pytest.mark.compat), pytest.param("fork", marks=pytest.mark.compat)]
+FIRST_OBS = torch.arange(OBS, dtype=torch.float32)
+
+
+def _closed_pids(pid_dir: Path) -> set[int]:
+    return {int(p.name.split("-")[1]) for p in pid_dir.glob("closed-*")}
+
+
+def _steps(env: ManagedParallelEnv, td: Any, n: int) -> tuple[list[Any], Any]:
+    out = []
+    for _ in range(n):
+        step, td = env.step_and_maybe_reset(env.rand_action(td))
+        out.append(step.clone())
+    return out, td
+
+
+def _assert_consistent(steps: list[Any]) -> None:
+    """Every transition is a real one: ``next`` follows its root by one step, nothing marked."""
+    for step in steps:
+        assert torch.equal(step["next", "observation"], step["observation"] + 1)
+        assert not step["next", "worker_restarted"].any()
+
+
+@pytest.mark.parametrize("method", [*STARTS, "spawn"])
+def test_recycle_every_runs_each_worker_for_that_many_episodes(method: str, tmp_path: Path) -> None:
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, pid_dir=str(tmp_path)),
+        daemon_workers=False,
+        recycle_every=2,
+        max_restarts=1,  # only for the worker_restarted entry: nothing may be marked
+        **start_kwargs(method),
+    )
+    try:
+        td = env.reset()
+        first = env.worker_pids
+        steps, td = _steps(env, td, 30)  # 6 episodes per slot: 2 workers each replaced
+        _assert_consistent(steps)
+        records = env.restarts
+        assert len(records) >= 4 and all(r.cause == "episodes" and r.recycled for r in records)
+        for slot in (0, 1):
+            chain = [r for r in records if r.slot == slot]
+            assert chain[0].old_pid == first[slot]
+            assert all(a.new_pid == b.old_pid for a, b in zip(chain, chain[1:], strict=False))
+        # A fresh env starts at its episode 0: the root after each recycle shows it.
+        boundary = [i for i, s in enumerate(steps) if s["next", "done"].any()]
+        assert boundary
+        old = {r.old_pid for r in records}
+        wait_until(
+            lambda: not any(psutil.pid_exists(p) and _running(p) for p in old), "recycled workers gone"
+        )
+        assert old <= _closed_pids(tmp_path)  # each one closed its env: a graceful end
+        stats = env.stats(workers=True)
+        assert stats["recycles"] == stats["recycles_episodes"] == len(records)
+        assert stats["restarts"] == 0 and stats["deaths"] == 0
+    finally:
+        env.close()
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@pytest.mark.parametrize("method", STARTS)
+def test_a_recycled_slot_starts_its_episode_in_the_fresh_env(method: str) -> None:
+    """recycle_every=1: every episode runs in a new worker, so every episode is a fresh env's
+    first (``FIRST_OBS`` after each reset), with step_and_maybe_reset and with env.reset()."""
+    env = ManagedParallelEnv(2, make_env, daemon_workers=False, recycle_every=1, **start_kwargs(method))
+    try:
+        td = env.reset()
+        assert torch.equal(td["observation"][0], FIRST_OBS)
+        steps, td = _steps(env, td, 5)  # the episode ends: the next root is a new worker's reset
+        assert steps[-1]["next", "done"].all()
+        assert torch.equal(td["observation"], FIRST_OBS.expand(2, OBS))
+        before = env.worker_pids
+        td = env.reset()  # an explicit reset of both: each goes to a standby
+        after = env.worker_pids
+        assert set(before).isdisjoint(after)
+        assert torch.equal(td["observation"], FIRST_OBS.expand(2, OBS))
+        assert {r.command for r in env.restarts} == {"step_and_maybe_reset", "reset"}
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("method", STARTS)
+def test_recycle_memory_replaces_a_growing_worker_before_its_tree_passes_the_cap(method: str) -> None:
+    grow = 16  # MiB per reset
+    env = ManagedParallelEnv(
+        2,
+        make_env,
+        create_env_kwargs=[{}, {"grow_mb_per_reset": grow}],
+        daemon_workers=False,
+        max_restarts=1,
+        **start_kwargs(method),
+    )
+    # The cap: the grower's tree now, plus 5 episodes' growth.
+    probe = env.reset()
+    assert probe is not None
+    tree = psutil.Process(env.worker_pids[1])
+    base = tree.memory_info().rss + sum(c.memory_info().rss for c in tree.children(recursive=True))
+    env.close()
+    cap = base + 5 * (grow << 20)
+    env = ManagedParallelEnv(
+        2,
+        make_env,
+        create_env_kwargs=[{}, {"grow_mb_per_reset": grow}],
+        daemon_workers=False,
+        max_restarts=1,
+        recycle_memory=cap,
+        **start_kwargs(method),
+    )
+    try:
+        td = env.reset()
+        peak = 0
+        for _ in range(30):  # 150 steps: 30 episodes, six caps' worth of growth
+            steps, td = _steps(env, td, 5)
+            _assert_consistent(steps)
+            proc = psutil.Process(env.worker_pids[1])
+            rss = proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children(recursive=True))
+            peak = max(peak, rss)
+        assert env.restarts and all(r.cause == "memory" and r.slot == 1 for r in env.restarts)
+        assert peak <= cap + ((grow + 1) << 20)  # under the cap, plus one episode's growth
+        assert env.stats()["recycles_memory"] == len(env.restarts)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("method", STARTS)
+def test_close_with_a_standby_and_a_recycled_worker_leaves_nothing(method: str, tmp_path: Path) -> None:
+    # recycle_every=1: after each boundary a standby is started for the next; close meanwhile.
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, pid_dir=str(tmp_path)),
+        daemon_workers=False,
+        recycle_every=1,
+        **start_kwargs(method),
+    )
+    td = env.reset()
+    _, td = _steps(env, td, 6)
+    env.close()
+    report = env.supervision_report
+    assert report is not None and all(w.outcome == "graceful" for w in report.workers)
+
+
+@pytest.mark.parametrize("method", STARTS)
+def test_a_standby_that_dies_while_it_builds_its_env_leaves_the_old_worker_running(
+    method: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    flag = tmp_path / "arm"
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, die_in_init_if=str(flag), die_flag=str(tmp_path / "died")),
+        daemon_workers=False,
+        recycle_every=1,
+        **start_kwargs(method),
+    )
+    caplog.set_level(logging.WARNING, logger="torchrl_ext")
+    try:
+        td = env.reset()
+        flag.touch()  # the next worker built dies in its factory, once
+        steps, td = _steps(env, td, 15)
+        _assert_consistent_plain(steps)
+        assert "could not start slot" in caplog.text
+        assert env.restarts  # the next standby worked
+        assert env.stats()["deaths"] == 0
+    finally:
+        env.close()
+
+
+def _assert_consistent_plain(steps: list[Any]) -> None:
+    for step in steps:
+        assert torch.equal(step["next", "observation"], step["observation"] + 1)
+
+
+def test_a_worker_lost_while_due_is_restarted_and_recycling_starts_over(tmp_path: Path) -> None:
+    env = ManagedParallelEnv(
+        2, make_env, daemon_workers=False, recycle_every=3, max_restarts=2, mp_start_method="fork"
+    )
+    try:
+        td = env.reset()
+        _, td = _steps(env, td, 10)  # 3rd episode: due, a standby waits
+        os.kill(env.worker_pids[1], signal.SIGKILL)
+        wait_until(lambda: env.stats()["deaths"] == 1, "the death seen")
+        steps, td = _steps(env, td, 20)
+        lost = [r for r in env.restarts if not r.recycled]
+        assert len(lost) == 1 and lost[0].slot == 1
+        assert sum(bool(s["next", "worker_restarted"][1]) for s in steps) == 1
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("4GiB", 4 << 30), ("512 MiB", 512 << 20), ("2GB", 2 * 10**9), (1024, 1024)]
+)
+def test_recycle_memory_takes_bytes_or_a_size(value: Any, expected: int) -> None:
+    assert parse_bytes(value, "recycle_memory") == expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"recycle_memory": "lots"}, "is not a size"),
+        ({"recycle_memory": 0}, "must be positive"),
+        ({"recycle_every": 0}, "recycle_every must be None or an int >= 1"),
+        ({"recycle_memory": "1GiB", "collect_stats": False}, "recycle_memory needs the memory"),
+    ],
+)
+def test_recycling_options_are_checked(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ManagedParallelEnv(2, make_env, **kwargs)
