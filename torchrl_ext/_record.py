@@ -132,6 +132,20 @@ class WorkerRecord:
             return None
         return OomKill(self.cgroup, _platform.cgroup_memory_limit(self.cgroup), tree_rss)
 
+    def tree_rss(self) -> int | None:
+        """It and its known descendants: bytes resident now (``None``: it is gone). Reads
+        ``/proc`` of each (the recycler, at an episode boundary)."""
+        proc = _identity.same_process(self.pid, self.create_time)
+        if proc is None:
+            return None
+        total = 0
+        for member in [proc, *self.descendants.values()]:
+            try:
+                total += member.memory_info().rss
+            except (psutil.Error, OSError):
+                continue
+        return total
+
     def exited(self) -> bool:
         """Whether multiprocessing has collected its exit (cheap; no identity check)."""
         try:

@@ -127,7 +127,7 @@ class Recycler:
                         break
                 launch.ready = True
                 return True
-            if supervisor.standby_gone(slot) or time.monotonic() >= deadline:
+            if supervisor.succession.gone(slot) or time.monotonic() >= deadline:
                 break
             if not wait:
                 return False
@@ -140,7 +140,7 @@ class Recycler:
             launch.process.pid,
         )
         self.standby.pop(slot, None)
-        supervisor.discard_standby(slot)
+        supervisor.succession.discard(slot)
         return False
 
     @property
@@ -256,7 +256,7 @@ class Recycler:
         self.rss_at.pop(slot, None)
         self._records.pop(slot, None)
         if self.standby.pop(slot, None) is not None:
-            supervisor.discard_standby(slot)
+            supervisor.succession.discard(slot)
 
 
 def _recv(channel: Any) -> bool:

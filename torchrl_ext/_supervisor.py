@@ -8,9 +8,10 @@ call. :meth:`WorkerSupervisor.shutdown` is the bounded close, NOTE [shutdown ord
 
 What the env may ask of it (nothing outside this module takes its lock or reads its records):
 the one failure query (:meth:`WorkerSupervisor.failure`), the pending losses
-(:meth:`~WorkerSupervisor.next_loss`), waiting until a loss is handled
+(:meth:`~WorkerSupervisor.losses`), waiting until a loss is handled
 (:meth:`~WorkerSupervisor.wait_handled`), replacing a slot's worker, killing a hung one (its
-stacks first, ``_stacks``), and giving up (:meth:`~WorkerSupervisor.give_up`).
+stacks first, ``_stacks``), giving up (:meth:`~WorkerSupervisor.give_up`), and, for recycling,
+a slot's standby and retiring workers (``_succession``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ._record import Loss, WorkerRecord, startup_failure
 from ._report import SupervisionReport, WorkerOutcome
 from ._shutdown import close_workers
 from ._stats import EnvStats
+from ._succession import Succession
 from ._tag import Tag
 from ._wire import read_report, rebuild_exception
 
@@ -90,11 +92,8 @@ class WorkerSupervisor:
         self.lost: list[WorkerRecord] = []
         self.restarts = 0
         self._retired_fds: list[int] = []
-        #: Recycling (``_recycle``): per slot, a worker started ahead of its turn (not yet a
-        #: slot's worker: its exit is nobody's loss), and the workers recycled out, closing
-        #: gracefully until their deadline (monotonic), then killed. Under the lock.
-        self._standby: dict[int, WorkerRecord] = {}
-        self._retiring: list[tuple[WorkerRecord, float]] = []
+        #: Recycling (``_recycle``): the slots' standby and retiring workers.
+        self.succession = Succession(label, self._lock, self._retire_fd)
         #: Descriptors ``stop()`` left to the watcher to close as it leaves (it outlived the join).
         self._close_on_exit: list[int] = []
 
@@ -183,93 +182,29 @@ class WorkerSupervisor:
         """Record ``process`` (started) as slot ``index``'s next worker; returns its channel."""
         with self._lock:
             worker = self._record(index, process, channel)
-            self._standby[index] = worker
+            self.succession.standby[index] = worker
         return worker.channel
 
     def tree_rss(self, index: int) -> int | None:
-        """Slot ``index``'s worker and its known descendants: bytes resident now (``None``:
-        gone). Reads ``/proc`` of each (the recycler, at an episode boundary)."""
-        worker = self._worker(index)
-        proc = _identity.same_process(worker.pid, worker.create_time)
-        if proc is None:
-            return None
-        total = 0
-        for member in [proc, *worker.descendants.values()]:
-            with contextlib.suppress(psutil.Error, OSError):
-                total += member.memory_info().rss
-        return total
-
-    def standby_gone(self, index: int) -> bool:
-        """Whether slot ``index``'s standby worker has exited."""
-        with self._lock:
-            worker = self._standby.get(index)
-        return worker is None or worker.exited() or worker.gone()
-
-    def discard_standby(self, index: int) -> None:
-        """Kill slot ``index``'s standby worker and its tree, and reap it."""
-        with self._lock:
-            worker = self._standby.pop(index, None)
-        if worker is not None:
-            self._end_extras([worker])
+        """Slot ``index``'s worker tree: bytes resident now (see ``WorkerRecord.tree_rss``)."""
+        return self._worker(index).tree_rss()
 
     def promote(self, index: int, close_within: float) -> tuple[ParentChannel, ParentChannel]:
         """Slot ``index``'s standby becomes its worker; the old one retires (it is sent "close"
         by the caller, and killed with its tree if it has not exited ``close_within`` seconds
         from now). Returns the new channel and the old one."""
         with self._lock:
-            new = self._standby.pop(index)
+            new = self.succession.standby.pop(index)
             position = next(i for i, w in enumerate(self._workers) if w.index == index)
             old = self._workers[position]
             self._workers[position] = new
-            self._retiring.append((old, time.monotonic() + close_within))
+            self.succession.retiring.append((old, time.monotonic() + close_within))
         self._wake_watcher()
         return new.channel, old.channel
 
-    def _watch_retiring(self, ready: list[int]) -> None:
-        """The watcher's part of recycling: reap retired workers that exited (and kill what is
-        left of their trees); kill those past their deadline."""
-        now = time.monotonic()
-        with self._lock:
-            retiring = list(self._retiring)
-        for worker, deadline in retiring:
-            if worker.sentinel in ready or worker.exited() or worker.gone():
-                worker.finished = True
-                self._end_extras([worker])
-                with self._lock:
-                    self._retiring = [r for r in self._retiring if r[0] is not worker]
-            elif now >= deadline:
-                log.warning(
-                    "%s recycled worker %d (pid %d) did not close within its deadline; killing it",
-                    self.label,
-                    worker.index,
-                    worker.pid,
-                )
-                worker.signal(signal.SIGKILL)
-
-    def _end_extras(self, workers: list[WorkerRecord]) -> None:
-        """SIGKILL and reap standby or retired workers and their trees (nobody's loss)."""
-        for worker in workers:
-            worker.signal(signal.SIGKILL)
-        # Their groups and recorded descendants only: a tag scan would match the slot's
-        # current worker too (the same slot's tag).
-        tree = _identity.tree(
-            {w.pid: (w.create_time, w.pid) for w in workers},
-            [proc for w in workers for proc in w.descendants.values()],
-            recent_groups=[w.pid for w in workers],
-            include_workers=False,  # collected by multiprocessing (read_exitcode), not here
-            dying=True,
-        )
-        _identity.kill_and_reap(tree, grace=0.0, kill_wait=2.0)
-        for worker in workers:
-            worker.exitcode = worker.read_exitcode(wait=2.0)
-            worker.handled.set()
-            _reaper_client.unwatch(worker.pid)
-            with contextlib.suppress(OSError):
-                worker.channel.close()
-            with self._lock:
-                if worker.pidfd is not None:
-                    self._retired_fds.append(worker.pidfd)
-                    worker.pidfd = None
+    def _retire_fd(self, fd: int) -> None:
+        """Hand a pidfd to the watcher to close (it may be waiting on it now); under the lock."""
+        self._retired_fds.append(fd)
 
     def _worker(self, index: int) -> WorkerRecord:
         with self._lock:
@@ -295,10 +230,6 @@ class WorkerSupervisor:
         """Whether slot ``index``'s current worker has exited (noticed or not)."""
         worker = self._worker(index)
         return worker.finished or worker.exited()
-
-    def loss(self, index: int) -> Loss:
-        """Slot ``index``'s current worker as a loss (call once its exit is handled)."""
-        return self._worker(index).loss()
 
     def forget_report(self, index: int) -> None:
         """Remove a lost worker's report, so that its replacement starts with none."""
@@ -333,7 +264,7 @@ class WorkerSupervisor:
                 if self._stopped:
                     return
                 pending = {w.sentinel: w for w in self._workers if not w.finished}
-                retiring = [w.sentinel for w, _deadline in self._retiring]
+                retiring = self.succession.sentinels()
                 retired, self._retired_fds = self._retired_fds, []
             for retired_fd in retired:
                 with contextlib.suppress(OSError):
@@ -346,7 +277,7 @@ class WorkerSupervisor:
                 timeout = min(timeout, FALLBACK_POLL_INTERVAL)
             ready = multiprocessing.connection.wait([*pending, *retiring, self._wake_r], timeout=timeout)
             if retiring:
-                self._watch_retiring([fd for fd in ready if fd in retiring])
+                self.succession.watch([fd for fd in ready if fd in retiring])
             if self._wake_r in ready:
                 with contextlib.suppress(OSError):
                     os.read(self._wake_r, 4096)
@@ -362,7 +293,7 @@ class WorkerSupervisor:
         """Refresh each live worker's descendants; sample their trees for ``stats()`` if due."""
         with self._lock:
             live = [w for w in self._workers if not w.finished]
-            standby = list(self._standby.values())
+            standby = list(self.succession.standby.values())
         for worker in live + standby:  # a standby's descendants too: they die with it
             worker.refresh()
         if self.stats is not None:
@@ -493,11 +424,6 @@ class WorkerSupervisor:
         """Whether a lost worker waits for its restart (no system call)."""
         return bool(self.lost)
 
-    def next_loss(self) -> Loss | None:
-        """The oldest loss waiting for its restart (its tree is already gone)."""
-        with self._lock:
-            return self.lost[0].loss() if self.lost else None
-
     def losses(self) -> list[Loss]:
         """Every loss waiting for its restart, oldest first (their trees are already gone)."""
         with self._lock:
@@ -543,10 +469,7 @@ class WorkerSupervisor:
         with self._lock:
             self._closing = True
             workers = list(self._workers)
-            extras = list(self._standby.values()) + [w for w, _deadline in self._retiring]
-            self._standby, self._retiring = {}, []
-        if extras:
-            self._end_extras(extras)
+        self.succession.end_all()
         outcome, swept = close_workers(workers, self._tree_of, self.label, reason, t0, timeout)
         self.stop(deadline=t0 + timeout)
         return SupervisionReport(
