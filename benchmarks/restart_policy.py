@@ -336,6 +336,15 @@ def trial_reset_cost(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds ``pid`` used so far (a replacement: its start-up, env build and first reset)."""
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return None
+    return float(times.user + times.system)
+
+
 def _wait_deaths(env: Any, count: int, deadline_s: float) -> float | None:
     t = time.perf_counter()
     while time.perf_counter() - t < deadline_s:
@@ -386,6 +395,7 @@ def trial_parallel(spec: dict[str, Any]) -> dict[str, Any]:
                 call_s = time.perf_counter() - t
                 records = env.restarts[before:]
                 pids.update(env.worker_pids)
+                cpu = [_cpu_s(r.new_pid) for r in records]
                 flags = nxt.get(("next", "worker_restarted")).reshape(n).tolist()
                 problems = [
                     what
@@ -412,6 +422,7 @@ def trial_parallel(spec: dict[str, Any]) -> dict[str, Any]:
                         "noticed_s": counted,
                         "kill_to_call_s": waited,
                         "ready_after": [r.ready_after for r in records],
+                        "replacement_cpu_s": cpu,
                     }
                 )
                 for _ in range(10):  # the env works on
@@ -682,6 +693,16 @@ def _parallel_section(
             f"{[c for r in runs for c in r['checks_failed']] or 'none'}."
         )
         lines.append("")
+    cpu_one = _med([c for e in events for c in e.get("replacement_cpu_s", [])])
+    cores = os.cpu_count() or 1
+    floor = PARALLEL_WORKERS * cpu_one / min(cores, PARALLEL_WORKERS) / med["one"] if med["one"] else math.nan
+    lines.append(
+        f"CPU seconds one spawn replacement used by the end of the call (start-up, imports, env "
+        f"build, first reset): median {_f(cpu_one, 2, ' s')}. {PARALLEL_WORKERS} of them need "
+        f"{_f(PARALLEL_WORKERS * cpu_one, 1, ' CPU-s')}; on {cores} core(s) that alone is at least "
+        f"{_f(floor, 2, 'x')} the one-worker call, the floor of the ratio below on this machine."
+    )
+    lines.append("")
     ratio = med["all"] / med["one"] if med["one"] else math.nan
     targets = [
         f"* {PARALLEL_WORKERS} lost at once replaced in <= {PARALLEL_RATIO:g}x the time of one "

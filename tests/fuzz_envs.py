@@ -32,9 +32,11 @@ OBS = 5
 UNSEEDED = -1.0
 
 
-def fresh_reset_observation(worker: int) -> torch.Tensor:
-    """The observation of the first reset of a fresh, unseeded env of slot ``worker``."""
-    return torch.tensor([float(worker), UNSEEDED, 0.0, 0.0, 0.0])
+def fresh_reset_observation(worker: int, seed: int | None = None) -> torch.Tensor:
+    """The observation of the first reset of a fresh env of slot ``worker``, unseeded or seeded
+    with ``seed`` (a replacement of a seeded env is: see docs/restarts.md, "Seeds")."""
+    tag = UNSEEDED if seed is None else float(int(seed) % 65536)
+    return torch.tensor([float(worker), tag, 0.0, 0.0, 0.0])
 
 
 class FuzzEnv(EnvBase):

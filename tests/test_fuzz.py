@@ -578,8 +578,9 @@ def compare_slots(expected: Any, actual: Any, op: Op, path: str, extra_keys: boo
     assert_same(expected, actual, path)
 
 
-def check_marks(op: Op, value: Any, path: str) -> None:
-    """The done entries a managed env with ``max_restarts > 0`` adds, per docs/restarts.md."""
+def check_marks(op: Op, value: Any, path: str, seeds: dict[int, int | None]) -> None:
+    """The done entries a managed env with ``max_restarts > 0`` adds, per docs/restarts.md
+    (``seeds``: per slot, the seed its last replacement was given)."""
     if op.kind in ("step", "view_step", "smr", "view_smr"):
         out, root = (value, None) if op.kind in ("step", "view_step") else value
         nxt = out["next"]
@@ -594,7 +595,7 @@ def check_marks(op: Op, value: Any, path: str) -> None:
                 assert nxt["reward"][p].item() == 0.0, where
                 if root is not None:
                     assert root["done"][p].item() is False, where
-                fresh = fresh_reset_observation(slot)
+                fresh = fresh_reset_observation(slot, seeds.get(slot))
                 assert torch.equal(nxt["observation"][p], fresh), f"{where}: {nxt['observation'][p]}"
                 if root is not None:  # the fresh env's reset is the slot's next root
                     seen = root["observation"][p]
@@ -612,7 +613,8 @@ def check_marks(op: Op, value: Any, path: str) -> None:
                 assert value[key][p].item() is False, f"{where}: {key}"
             obs = value["observation"][p]
             if slot in op.replayed:  # the same reset, on the replacement: its first
-                assert torch.equal(obs, fresh_reset_observation(slot)), f"{where}: replayed reset {obs}"
+                fresh = fresh_reset_observation(slot, seeds.get(slot))
+                assert torch.equal(obs, fresh), f"{where}: replayed reset {obs}"
             if slot in op.reset_after_restart:  # reset by the restart, then as asked
                 assert (obs[0].item(), obs[3].item(), obs[4].item()) == (slot, 0.0, 0.0), f"{where}: {obs}"
 
@@ -725,7 +727,7 @@ def run_managed(
                 _comparable(upstream[name], ParallelEnv), _comparable(outcome, cls), op, name, extra
             )
             if extra and outcome.error is None:
-                check_marks(op, outcome.value, name)
+                check_marks(op, outcome.value, name, {r.slot: r.seed for r in env.restarts})
             for slot in op.handled:
                 pid = in_flight_pid if slot == op.kill and slot not in killed else killed.pop(slot)
                 assert pid is not None

@@ -272,6 +272,17 @@ class Upstream:
             attr.drop(self)
 
 
+def unwrap_factory(fn: Any) -> Any:
+    """The user's own callable inside what TorchRL (``EnvCreator``, ``CloudpickleWrapper``)
+    or ``functools.partial`` wrapped it in."""
+    for _ in range(8):
+        inner = getattr(fn, "create_env_fn", None) or getattr(fn, "func", None) or getattr(fn, "fn", None)
+        if inner is None or inner is fn:
+            break
+        fn = inner
+    return fn
+
+
 _init_params = inspect.signature(ParallelEnv.__init__).parameters
 #: TorchRL >= 0.11: workers' daemon flag is configurable (``daemon=``).
 HAS_DAEMON_KWARG = "daemon" in _init_params

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import logging
 import multiprocessing.connection
 import time
@@ -32,9 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from ._channel import RestartableChannel
 from ._compat import Upstream
-from ._done_signal import Answers
 from ._policy import RecycleCause, RestartRecord, replacement_seed
-from ._replace import Launch, Launcher, await_all
+from ._replace import Launch, Launcher, await_answers
 from ._supervisor import WorkerSupervisor
 
 if TYPE_CHECKING:
@@ -187,8 +185,7 @@ class Recycler:
                 target = self._swap(env, supervisor, engine, slot, "step_and_maybe_reset", t0)
             # Else the standby could not start: the old worker resets its env, as it was asked.
             target.send(("reset", (False, {})))  # counted by the route
-            answers = Answers(owner.done_flags, owner.events)
-            await_all(supervisor, {slot: functools.partial(answers.take, slot)}, self._answer_limit)
+            await_answers(supervisor, env, [slot], self._answer_limit)
             if slot in self._records:
                 self._finish_record(engine, slot)
 

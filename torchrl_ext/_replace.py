@@ -10,6 +10,7 @@ needs (the templates recorded at the env's start, how it started, the reaper's F
 from __future__ import annotations
 
 import dataclasses
+import functools
 import multiprocessing.connection
 import time
 import weakref
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import _platform
-from ._compat import PER_START_KWARGS, WORKER_KWARGS, ConfiguredKwargs, Upstream
+from ._compat import PER_START_KWARGS, WORKER_KWARGS, ConfiguredKwargs, Upstream, unwrap_factory
 from ._cpython import process_kwargs, process_start_method
 from ._done_signal import Answers
 from ._supervisor import WorkerSupervisor
@@ -28,7 +29,7 @@ from ._templates import copy_unstarted
 if TYPE_CHECKING:
     from ._start import StartPlan
 
-__all__ = ["Launch", "Launcher", "await_all", "describe_factory"]
+__all__ = ["Launch", "Launcher", "await_all", "await_answers", "describe_factory"]
 
 #: Longest pause between checks while replacements start or answer.
 POLL_SLICE = 0.02
@@ -44,7 +45,8 @@ class Launch:
     process: Any
     #: The parent's end of its pipe: raw until it is installed, then the supervisor's channel.
     channel: Any
-    event: Any
+    #: Its done event (TorchRL 0.10 waits on events).
+    done_event: Any
     #: ``time.monotonic()`` when it was started.
     launched_at: float
     #: Set once it said it built its env and was sent "init".
@@ -101,7 +103,7 @@ class Launcher:
             holder.channels[position] = channel
             events = holder.events
             if events is not None:
-                events[position] = launch.event
+                events[position] = launch.done_event
 
     def _holders_of(self, owner: Upstream, slot: int) -> list[tuple[Upstream, int]]:
         found = [(owner, slot)]
@@ -126,7 +128,7 @@ class Launcher:
 
 def describe_factory(fn: Any) -> str:
     """A factory as a user recognises it: ``module.name``, or its repr."""
-    inner = getattr(fn, "func", None) or getattr(fn, "create_env_fn", None) or fn
+    inner = unwrap_factory(fn)
     name = getattr(inner, "__qualname__", None)
     module = getattr(inner, "__module__", None)
     return f"{module}.{name}" if name and module else repr(fn)
@@ -213,17 +215,43 @@ def seed_all(supervisor: WorkerSupervisor, seeds: dict[int, tuple[Launch, int, b
             launch.ready = False
 
 
+class _Stop(Exception):
+    """A worker awaited is gone, or the wait passed its limit: the polling wait takes over."""
+
+
+def await_answers(supervisor: WorkerSupervisor, env: Upstream, slots: list[int], limit: float) -> set[int]:
+    """Wait for the answers of ``slots`` (their done flags) as the env's own wait does, woken
+    by the done signal the moment they answer; a slot whose worker dies or passes ``limit`` is
+    handled as :func:`await_all` does. Returns the lost slots."""
+    owner = env.owner
+    answers = Answers(owner.done_flags, owner.events)
+    if answers.flags is not None and slots:
+
+        def check() -> None:
+            if any(supervisor.is_gone(slot) for slot in slots):
+                raise _Stop
+
+        def stop() -> None:
+            raise _Stop
+
+        try:
+            supervisor.done_signal.wait_for(answers.flags, slots, limit, 0.0, check, stop)
+            return set()
+        except _Stop:
+            pass  # some answered (their flags are set still): the polling wait sorts them out
+    waits: dict[int, Callable[..., bool]] = {slot: functools.partial(answers.take, slot) for slot in slots}
+    lost, _late = await_all(supervisor, waits, limit)
+    return lost
+
+
 def reset_all(
     supervisor: WorkerSupervisor, env: Upstream, launches: Collection[Launch], limit: float
 ) -> None:
     """Reset each launch's env (no input, no kwargs), all sent first; a launch lost meanwhile
     is no longer ``ready``."""
-    owner = env.owner
-    answers = Answers(owner.done_flags, owner.events)
     for launch in launches:
         launch.channel.send(("reset", (False, {})))
-    waits = {launch.slot: (lambda s=launch.slot: bool(answers.take(s))) for launch in launches}
-    lost, _late = await_all(supervisor, waits, limit)
+    lost = await_answers(supervisor, env, [launch.slot for launch in launches], limit)
     for launch in launches:
         if launch.slot in lost:
             launch.ready = False

@@ -346,7 +346,8 @@ class RestartEngine:
                 seeds[slot] = (launch, replacement_seed(seed, slot, self.incarnations[slot]), static)
         seed_all(supervisor, seeds, answer_limit)
         records = []
-        for slot, (launch, lost, delay) in ready.items():
+        # Records in the order the losses were seen (a backoff may start a later one first).
+        for slot, (launch, lost, delay) in sorted(ready.items(), key=lambda item: item[1][1].lost_at):
             if not launch.ready:
                 continue
             waited = time.monotonic() - lost.lost_at

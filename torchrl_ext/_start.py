@@ -33,6 +33,7 @@ from ._compat import (
     default_start_method,
     install_fault_check,
     managed_worker_targets,
+    unwrap_factory,
     worker_context,
 )
 from ._done_signal import has_spare_core
@@ -67,11 +68,7 @@ def factory_modules(create_env_fn: Any) -> list[str]:
     fns = list(create_env_fn) if isinstance(create_env_fn, list | tuple) else [create_env_fn]
     found: list[str] = []
     for fn in fns:
-        for _ in range(8):  # unwrap EnvCreator, functools.partial, CloudpickleWrapper
-            inner = getattr(fn, "create_env_fn", None) or getattr(fn, "func", None) or getattr(fn, "fn", None)
-            if inner is None or inner is fn:
-                break
-            fn = inner
+        fn = unwrap_factory(fn)
         module = getattr(fn, "__module__", None)
         if not isinstance(module, str):
             module = type(fn).__module__
