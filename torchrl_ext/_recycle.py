@@ -66,8 +66,9 @@ class Recycler:
         self._seen_samples: object = None
         #: Per standby, the seed it was given (``(seed, static_seed)``; ``None``: never seeded).
         self._standby_seed: dict[int, tuple[int, bool] | None] = {}
-        #: Per slot swapped whose first reset is still answered: its record and the swap's time.
-        self._records: dict[int, tuple[RestartRecord, float, str]] = {}
+        #: Per slot swapped whose first reset is still awaited: its record, the swap's time, the
+        #: label to log, and the old worker's channel (sent "close" once that reset is answered).
+        self._records: dict[int, tuple[RestartRecord, float, str, RestartableChannel]] = {}
 
     @property
     def on(self) -> bool:
@@ -209,7 +210,9 @@ class Recycler:
     def _swap(
         self, env: Upstream, supervisor: WorkerSupervisor, engine: Any, slot: int, command: str, t0: float
     ) -> Any:
-        """The standby takes slot ``slot``; the old worker is sent "close". Returns the new channel."""
+        """The standby takes slot ``slot``; the old worker retires (it is sent "close" once the new
+        one has answered its first reset: the two do not share the cores meanwhile). Returns
+        the new channel."""
         launch = self.standby.pop(slot)
         cause = self.due.pop(slot)
         old_pid = supervisor.pids()[slot]
@@ -219,7 +222,6 @@ class Recycler:
         new.route = old.route
         old.route = None
         old.intercept = None
-        old.send(("close", None))
         self.episodes[slot] = 0
         self.rss_at.pop(slot, None)
         seed = self._standby_seed.pop(slot, None)
@@ -233,14 +235,15 @@ class Recycler:
             0.0,
             seed=None if seed is None else seed[0],
         )
-        self._records[slot] = (record, t0, supervisor.label)
+        self._records[slot] = (record, t0, supervisor.label, old)
         return new
 
     def _finish_record(self, engine: Any, slot: int) -> None:
         """Slot ``slot``'s new worker answered its first reset: its record, with the time the
         swap took (the reset included), goes to ``env.restarts`` and ``on_restart``."""
-        record, t0, label = self._records.pop(slot)
+        record, t0, label, old = self._records.pop(slot)
         done = dataclasses.replace(record, ready_after=time.monotonic() - t0)
+        old.send(("close", None))
         engine.restarts.append(done)
         log.info("%s recycled worker %s", label, done)
         engine.notify(done)
@@ -251,7 +254,9 @@ class Recycler:
         self.due.pop(slot, None)
         self.translated.discard(slot)
         self.rss_at.pop(slot, None)
-        self._records.pop(slot, None)
+        pending = self._records.pop(slot, None)
+        if pending is not None:
+            pending[3].send(("close", None))  # the retired worker: its successor was lost
         if self.standby.pop(slot, None) is not None:
             supervisor.succession.discard(slot)
 
