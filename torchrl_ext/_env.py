@@ -220,13 +220,15 @@ class ManagedParallelEnv(ParallelEnv):
         and ``step_and_maybe_reset``, ``reset``); ``step_ms_p50``/``_p95``/``_max`` and the same
         for ``reset`` over the last 1,024 calls (NaN before the first); ``wait_s``, the main
         process's time waiting for its workers; ``restarts`` and ``restarts_died``,
-        ``restarts_hung``, ``restarts_error`` by cause; ``deaths``, ``hangs`` and ``env_errors``
-        (every loss, restarted or not); ``seconds_since_restart`` (NaN before the first);
+        ``restarts_hung``, ``restarts_error`` by cause (lost workers); ``recycles``,
+        ``recycles_memory``, ``recycles_episodes`` (``recycle_memory``, ``recycle_every``);
+        ``deaths``, ``hangs`` and ``env_errors`` (every loss, restarted or not);
+        ``seconds_since_restart`` (NaN before the first);
         ``tree_rss_bytes``, ``tree_pss_bytes``, ``descendants`` and ``fds`` of the live workers'
         trees (each worker and all its descendants, DataLoader workers included), sampled by the
         supervisor's thread at most once a second (PSS every 10 s while stats are read; NaN
         before the first sample). ``workers=True`` adds ``worker_<i>/pid``, ``/alive``,
-        ``/restarts``, ``/rss_bytes``, ``/pss_bytes``, ``/descendants`` and ``/fds`` per slot.
+        ``/restarts``, ``/recycles``, ``/rss_bytes``, ``/pss_bytes``, ``/descendants`` and ``/fds`` per slot.
         ``reset=True`` clears the call counters, the latency windows and ``wait_s`` after the
         snapshot (the loss and restart counts are the env's history and stay). With
         ``collect_stats=False`` nothing is measured: the latencies and the tree are NaN or 0.

@@ -253,7 +253,10 @@ class EnvStats:
         from ._status import publish
 
         restarts = list(self.restarts)
-        rows = [(w.index, w.pid, w.create_time, sum(r.slot == w.index for r in restarts)) for w in workers]
+        rows = [
+            (w.index, w.pid, w.create_time, sum(r.slot == w.index and not r.recycled for r in restarts))
+            for w in workers
+        ]
         last = self.calls.step_latency.last()
         publish(self.status_path, self.label, owner, rows, None if last is None else 1e3 * last)
 
