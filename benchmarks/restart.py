@@ -132,6 +132,8 @@ def _managed(
     from torchrl_ext import ManagedParallelEnv
 
     t = time.perf_counter()
+    # The restart itself is measured: no backoff between repeated restarts of a slot.
+    kwargs.setdefault("restart_backoff", None)
     env = ManagedParallelEnv(n, factory, daemon_workers=False, **kwargs)
     try:
         td = env.reset()
