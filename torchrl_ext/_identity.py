@@ -4,7 +4,10 @@ Standard library and psutil only, and no imports from the package: the standalon
 loads this file by path (see ``_reaper.py``); the package imports it as ``torchrl_ext._identity``.
 
 * **Identity** is ``(pid, create_time)``: a pid can be reused, the pair cannot. Create times are
-  compared within :data:`CTIME_TOLERANCE`.
+  compared by :func:`same_ctime`: within :data:`CTIME_TOLERANCE`, give or take whole seconds of
+  boot-time drift (psutil adds the boot time *as read now* to a fixed tick count, and the
+  kernel's boot time moves by a second when the wall clock is adjusted: a create time recorded
+  earlier, or by another process, may differ from today's by exactly that).
 * **Alive** means running and not a zombie.
 * **The tree** of a set of workers (:func:`tree`) is every live process of ours: the workers,
   the descendants they have and the ones seen in earlier snapshots (a subtree whose middle
@@ -32,6 +35,7 @@ import psutil
 
 __all__ = [
     "BIRTH_SLACK",
+    "BOOT_DRIFT",
     "CTIME_TOLERANCE",
     "OWNER_VAR",
     "WORKER_VAR",
@@ -45,6 +49,7 @@ __all__ = [
     "read_tag",
     "reap_if_child",
     "running",
+    "same_ctime",
     "same_process",
     "tree",
     "unique",
@@ -100,6 +105,22 @@ def key_of(proc: psutil.Process) -> ProcessKey | None:
         return None
 
 
+#: How many whole seconds two readings of one process's create time may differ by (boot time
+#: re-read after wall-clock adjustments); the fraction must still match to CTIME_TOLERANCE.
+BOOT_DRIFT = 2
+
+
+def same_ctime(a: float, b: float) -> bool:
+    """Whether two create times are one process's (see the module doc, **Identity**).
+
+    Example:
+        >>> same_ctime(100.25, 100.2504), same_ctime(100.25, 101.25), same_ctime(100.25, 100.26)
+        (True, True, False)
+    """
+    shift = round(a - b)
+    return abs(shift) <= BOOT_DRIFT and abs(a - b - shift) < CTIME_TOLERANCE
+
+
 def same_process(pid: int, ctime: float) -> psutil.Process | None:
     """The process ``pid`` if it still is the one created at ``ctime`` (not a reused pid).
 
@@ -112,7 +133,7 @@ def same_process(pid: int, ctime: float) -> psutil.Process | None:
     """
     try:
         proc = psutil.Process(pid)
-        return proc if abs(proc.create_time() - ctime) < CTIME_TOLERANCE else None
+        return proc if same_ctime(proc.create_time(), ctime) else None
     except psutil.Error:
         return None
 
@@ -253,7 +274,7 @@ def tree(
             if (
                 tag is not None
                 and tag[0] == owner[0]
-                and abs(tag[1] - owner[1]) < CTIME_TOLERANCE
+                and same_ctime(tag[1], owner[1])
                 and (env_id is None or tag[2] == env_id)
                 and (worker_index is None or index == worker_index)
             ):
@@ -264,7 +285,7 @@ def tree(
         pid, ctime = key
         if pid == me:
             return False
-        return pid not in excluded or abs(ctime - excluded[pid][0]) >= CTIME_TOLERANCE
+        return pid not in excluded or not same_ctime(ctime, excluded[pid][0])
 
     # Our own zombie children are kept too, so that kill-and-reap collects them: a worker's
     # descendants that died with it (a SIGTERM to its process group) were re-parented to us,

@@ -70,9 +70,8 @@ class Tag:
         return (self.owner_pid, self.owner_create_time)
 
     def same_owner(self, other: Tag) -> bool:
-        return (
-            self.owner_pid == other.owner_pid
-            and abs(self.owner_create_time - other.owner_create_time) < _identity.CTIME_TOLERANCE
+        return self.owner_pid == other.owner_pid and _identity.same_ctime(
+            self.owner_create_time, other.owner_create_time
         )
 
     def owner_alive(self) -> bool:
