@@ -307,7 +307,8 @@ def check_preloaded_start(
     *, has_forkserver: bool, chosen_method: str | None, daemonic_default: bool
 ) -> Check:
     """Whether ``ManagedParallelEnv(n, fn)`` forks its workers from the preloaded fork server
-    here (the fast default start, docs/design.md), and why not (informational: always ok).
+    here (the fast default start: docs/guarantees.md, "Fast start"), and why not
+    (informational: always ok).
 
     ``chosen_method``: a global start method the program chose itself (``None``: none, or only
     TorchRL's own); ``daemonic_default``: this TorchRL makes workers daemonic unless told.
