@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from ._channel import RestartableChannel
 from ._compat import Upstream
 from ._policy import RecycleCause, RestartRecord, replacement_seed
-from ._replace import Launch, Launcher, await_answers
+from ._replace import Launch, Launcher, await_answers, greet, read_answer, send_seed
 from ._supervisor import WorkerSupervisor
 
 if TYPE_CHECKING:
@@ -92,9 +92,9 @@ class Recycler:
         for slot in self.due:
             if slot not in self.standby:
                 self._launch(supervisor, slot, engine)
-        for slot, launch in list(self.standby.items()):
+        for launch in list(self.standby.values()):
             if not launch.ready:
-                self._try_ready(supervisor, slot, launch, wait=False)
+                self._try_ready(env, supervisor, engine, launch, wait=False)
 
     def _launch(self, supervisor: WorkerSupervisor, slot: int, engine: Any) -> None:
         supervisor.forget_report(slot)
@@ -107,24 +107,25 @@ class Recycler:
             None if seed is None else (replacement_seed(seed[0], slot, engine.incarnations[slot]), seed[1])
         )
 
-    def _try_ready(self, supervisor: WorkerSupervisor, slot: int, launch: Launch, wait: bool) -> bool:
-        """Finish ``launch``'s handshake (and seeding); with ``wait``, up to ``start_timeout``.
-        A standby that died or is late is discarded (started again at the next call)."""
+    def _try_ready(
+        self, env: Upstream, supervisor: WorkerSupervisor, engine: Any, launch: Launch, wait: bool
+    ) -> bool:
+        """Finish ``launch``'s handshake (and seeding) as a replacement's (``_replace``); with
+        ``wait``, up to ``start_timeout``. A standby that died or is late is discarded (started
+        again at the next call)."""
+        slot = launch.slot
         limit = self.options.start_timeout
         deadline = launch.launched_at + (limit if limit is not None else float("inf"))
         while True:
             if launch.channel.poll(0):
-                try:
-                    launch.channel.recv()  # "started"
-                except Exception:
+                if not greet(launch):
                     break
-                launch.channel.send(("init", None))
                 seed = self._standby_seed.get(slot)
                 if seed is not None:
-                    launch.channel.send(("seed", seed))
-                    if not launch.channel.poll(self._answer_limit) or not _recv(launch.channel):
+                    send_seed(launch, *seed)
+                    if not launch.channel.poll(engine.answer_limit(env)) or not read_answer(launch.channel):
+                        launch.ready = False
                         break
-                launch.ready = True
                 return True
             if supervisor.succession.gone(slot) or time.monotonic() >= deadline:
                 break
@@ -142,17 +143,13 @@ class Recycler:
         supervisor.succession.discard(slot)
         return False
 
-    @property
-    def _answer_limit(self) -> float:
-        return self.options.step_timeout if self.options.step_timeout is not None else 60.0
-
     # ------------------------------------------------------------------ boundaries
     def route(self, env: Upstream, supervisor: WorkerSupervisor, engine: Any, slot: int, message: Any) -> Any:
         """A command to slot ``slot``'s channel: ``None`` to send it as is, else
         ``(channel, message)`` to send instead (see the module docstring)."""
         command = message[0]
         if command == "reset":
-            if slot in self.due and self._standby_ready(supervisor, slot):
+            if slot in self.due and self._standby_ready(env, supervisor, engine, slot):
                 channel = self._swap(env, supervisor, engine, slot, "reset", time.monotonic())
                 return channel, message
             self._boundary(supervisor, slot)
@@ -182,11 +179,11 @@ class Recycler:
                 continue
             t0 = time.monotonic()
             target = channel
-            if self._standby_ready(supervisor, slot):
+            if self._standby_ready(env, supervisor, engine, slot):
                 target = self._swap(env, supervisor, engine, slot, "step_and_maybe_reset", t0)
             # Else the standby could not start: the old worker resets its env, as it was asked.
             target.send(("reset", (False, {})))  # counted by the route
-            await_answers(supervisor, env, [slot], self._answer_limit)
+            await_answers(supervisor, env, [slot], engine.answer_limit(env))
             if slot in self._records:
                 self._finish_record(engine, slot)
 
@@ -203,9 +200,11 @@ class Recycler:
                 if rss + grew > self.memory:  # over, or would be after one more such episode
                     self.due.setdefault(slot, "memory")
 
-    def _standby_ready(self, supervisor: WorkerSupervisor, slot: int) -> bool:
+    def _standby_ready(self, env: Upstream, supervisor: WorkerSupervisor, engine: Any, slot: int) -> bool:
         launch = self.standby.get(slot)
-        return launch is not None and (launch.ready or self._try_ready(supervisor, slot, launch, wait=True))
+        return launch is not None and (
+            launch.ready or self._try_ready(env, supervisor, engine, launch, wait=True)
+        )
 
     def _swap(
         self, env: Upstream, supervisor: WorkerSupervisor, engine: Any, slot: int, command: str, t0: float
@@ -259,14 +258,6 @@ class Recycler:
             pending[3].send(("close", None))  # the retired worker: its successor was lost
         if self.standby.pop(slot, None) is not None:
             supervisor.succession.discard(slot)
-
-
-def _recv(channel: Any) -> bool:
-    try:
-        channel.recv()
-    except Exception:
-        return False
-    return True
 
 
 def _episode_ended(owner: Upstream, slot: int) -> bool:

@@ -29,7 +29,19 @@ from ._templates import copy_unstarted
 if TYPE_CHECKING:
     from ._start import StartPlan
 
-__all__ = ["Launch", "Launcher", "await_all", "await_answers", "describe_factory"]
+__all__ = [
+    "Launch",
+    "Launcher",
+    "await_all",
+    "await_answers",
+    "describe_factory",
+    "greet",
+    "handshake",
+    "read_answer",
+    "reset_all",
+    "seed_all",
+    "send_seed",
+]
 
 #: Longest pause between checks while replacements start or answer.
 POLL_SLICE = 0.02
@@ -183,34 +195,48 @@ def handshake(supervisor: WorkerSupervisor, launches: Collection[Launch], limit:
     since = {launch.slot: launch.launched_at for launch in launches}
     lost, late = await_all(supervisor, waits, limit, channels, since)
     for launch in launches:
-        if launch.slot in lost:
-            continue
-        try:
-            launch.channel.recv()  # "started"; at EOF, it died while building its env
-        except Exception:
+        if launch.slot not in lost and not greet(launch):
             supervisor.wait_handled(launch.slot, LOSS_WAIT)
             lost.add(launch.slot)
-            continue
-        launch.channel.send(("init", None))
-        launch.ready = True
     return late
+
+
+def greet(launch: Launch) -> bool:
+    """The end of TorchRL's handshake with one launch whose "started" is in its pipe: read it,
+    send "init"; ``launch`` is then ``ready``. False if it died while building its env (EOF)."""
+    if not read_answer(launch.channel):
+        return False
+    launch.channel.send(("init", None))
+    launch.ready = True
+    return True
+
+
+def send_seed(launch: Launch, seed: int, static: bool) -> None:
+    """Seed ``launch`` as TorchRL's ``set_seed`` does; its answer is ``("seeded", next seed)``."""
+    launch.channel.send(("seed", (seed, static)))
+
+
+def read_answer(channel: Any) -> bool:
+    """Read one answer from ``channel``; False if its worker is gone (EOF or a broken pipe)."""
+    try:
+        channel.recv()
+    except Exception:
+        return False
+    return True
 
 
 def seed_all(supervisor: WorkerSupervisor, seeds: dict[int, tuple[Launch, int, bool]], limit: float) -> None:
     """Seed each launch (``slot -> (launch, seed, static_seed)``) as TorchRL's ``set_seed`` does
     (``torch.manual_seed`` and the env's ``set_seed`` in the worker), all sent first."""
     for launch, seed, static in seeds.values():
-        launch.channel.send(("seed", (seed, static)))
+        send_seed(launch, seed, static)
     waits = {slot: (lambda c=launch.channel: bool(c.poll(0))) for slot, (launch, _s, _t) in seeds.items()}
     channels = {slot: launch.channel for slot, (launch, _s, _t) in seeds.items()}
     lost, _late = await_all(supervisor, waits, limit, channels)
     for slot, (launch, _seed, _static) in seeds.items():
         if slot in lost:
             launch.ready = False
-            continue
-        try:
-            launch.channel.recv()  # ("seeded", next seed)
-        except Exception:
+        elif not read_answer(launch.channel):
             supervisor.wait_handled(slot, LOSS_WAIT)
             launch.ready = False
 

@@ -288,6 +288,12 @@ class RestartEngine:
             failure.add_note(f"torchrl_ext: worker {lost.index} (pid {lost.pid}) not restarted: {detail}")
         raise_failure(supervisor.give_up(failure))
 
+    def answer_limit(self, env: Upstream) -> float:
+        """How long a worker may take to answer one command: ``step_timeout``, else TorchRL's
+        wait (replacements' seeds and resets, and standbys', are bounded by it)."""
+        limit = self.options.step_timeout
+        return env.pipe_timeout if limit is None else limit
+
     def start_limit(self, env: Upstream) -> float:
         """How long a worker may take to build its env: ``start_timeout``, else TorchRL's wait."""
         limit = self.options.start_timeout
@@ -312,6 +318,25 @@ class RestartEngine:
         """One round: start a replacement for every loss (each after its backoff), await all
         their handshakes, seed them, then replay, reset and mark each; a replacement lost in
         the round is a loss of the next. Returns the records of this round."""
+        launches = self._launch_round(env, supervisor, losses)
+        for slot in handshake(
+            supervisor, [launch for launch, _l, _d in launches.values()], self.start_limit(env)
+        ):
+            self._start_timed_out[slot] = (
+                launches[slot][0].process.pid,
+                self.launcher.factory_name(env, slot),
+            )
+        ready = {slot: item for slot, item in launches.items() if item[0].ready}
+        seeds = self._seed_round(supervisor, env, ready)
+        records = self._record_round(supervisor, ready, seeds)
+        self._reset_round(env, supervisor, ready, owed, in_flight)
+        return records
+
+    def _launch_round(
+        self, env: Upstream, supervisor: WorkerSupervisor, losses: list[Loss]
+    ) -> dict[int, tuple[Launch, Loss, float]]:
+        """Start each loss's replacement once its backoff (``restart_backoff``) has passed, the
+        earliest due first, and install it: ``slot -> (launch, loss, backoff)``."""
         now_wall, now = time.time(), time.monotonic()
         plans = []
         for lost in losses:
@@ -330,23 +355,31 @@ class RestartEngine:
             self.launcher.install(env, launch, supervisor.replace(lost.index, launch.process, launch.channel))
             self._route(env.owner.env, supervisor, lost.index, launch.channel)
             launches[lost.index] = (launch, lost, delay)
-        limit = self.start_limit(env)
-        for slot in handshake(supervisor, [launch for launch, _l, _d in launches.values()], limit):
-            self._start_timed_out[slot] = (
-                launches[slot][0].process.pid,
-                self.launcher.factory_name(env, slot),
-            )
-        ready = {slot: item for slot, item in launches.items() if item[0].ready}
-        answer_limit = env.pipe_timeout if self.options.step_timeout is None else self.options.step_timeout
+        return launches
+
+    def _seed_round(
+        self, supervisor: WorkerSupervisor, env: Upstream, ready: dict[int, tuple[Launch, Loss, float]]
+    ) -> dict[int, tuple[Launch, int, bool]]:
+        """Count each ready replacement's incarnation and seed those whose slot was seeded
+        (``replacement_seed``), all at once. Returns what each was sent."""
         seeds: dict[int, tuple[Launch, int, bool]] = {}
         for slot, (launch, _lost, _delay) in ready.items():
             self.incarnations[slot] += 1
             if slot in self.seeds:
                 seed, static = self.seeds[slot]
                 seeds[slot] = (launch, replacement_seed(seed, slot, self.incarnations[slot]), static)
-        seed_all(supervisor, seeds, answer_limit)
+        seed_all(supervisor, seeds, self.answer_limit(env))
+        return seeds
+
+    def _record_round(
+        self,
+        supervisor: WorkerSupervisor,
+        ready: dict[int, tuple[Launch, Loss, float]],
+        seeds: dict[int, tuple[Launch, int, bool]],
+    ) -> list[RestartRecord]:
+        """A record in ``env.restarts`` (and a warning) for each replacement still ready, in the
+        order the losses were seen (a backoff may have started a later one first)."""
         records = []
-        # Records in the order the losses were seen (a backoff may start a later one first).
         for slot, (launch, lost, delay) in sorted(ready.items(), key=lambda item: item[1][1].lost_at):
             if not launch.ready:
                 continue
@@ -372,6 +405,19 @@ class RestartEngine:
                 record,
                 lost.descendants_killed,
             )
+        return records
+
+    def _reset_round(
+        self,
+        env: Upstream,
+        supervisor: WorkerSupervisor,
+        ready: dict[int, tuple[Launch, Loss, float]],
+        owed: dict[int, tuple[str | None, Any]],
+        in_flight: Collection[int],
+    ) -> None:
+        """Replay an in-flight reset on its replacement; reset the others, all at once, and
+        mark the slot's transition now (a step in flight) or at its next step (lost between
+        calls: the intercept)."""
         to_reset = []
         for slot, (launch, _lost, _delay) in ready.items():
             command, message = owed[slot]
@@ -381,7 +427,7 @@ class RestartEngine:
                 launch.channel.send(message)  # the same reset again, on the new env; answered as usual
             else:
                 to_reset.append(launch)
-        reset_all(supervisor, env, to_reset, answer_limit)
+        reset_all(supervisor, env, to_reset, self.answer_limit(env))
         owner = env.owner
         for launch in to_reset:
             if not launch.ready:
@@ -392,7 +438,6 @@ class RestartEngine:
                 self._mark(env, slot)
             else:  # lost between calls: the slot's next step is answered by a mark
                 launch.channel.intercept = functools.partial(self._intercept, env, slot, launch.channel)
-        return records
 
     def notify(self, record: RestartRecord) -> None:
         """``on_restart``, in the main process: an exception there is logged, never raised (the
