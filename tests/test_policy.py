@@ -221,19 +221,26 @@ def test_workers_lost_together_are_started_together(method: str, tmp_path: Path)
 
 
 # --------------------------------------------------------------------------- start_timeout
+def _gated(gate: str, method: str, **kwargs: Any) -> ManagedParallelEnv:
+    """Two workers whose factory waits at ``gate`` (``tests.envs.make_env``'s ``init_gate``),
+    with ``start_timeout=1.0`` unless given."""
+    kwargs.setdefault("start_timeout", 1.0)
+    factory_kwargs = {"init_gate": gate, **kwargs.pop("factory_kwargs", {})}
+    return ManagedParallelEnv(
+        2,
+        functools.partial(make_env, **factory_kwargs),
+        daemon_workers=False,
+        **kwargs,
+        **start_kwargs(method),
+    )
+
+
 @pytest.mark.parametrize("method", STARTS)
 def test_a_replacement_that_hangs_building_its_env_is_killed_and_started_again(
     method: str, tmp_path: Path
 ) -> None:
     gate = str(tmp_path / "gate")  # never opened: the first replacement hangs in its factory
-    env = ManagedParallelEnv(
-        2,
-        functools.partial(make_env, init_gate=gate, pid_dir=str(tmp_path)),
-        daemon_workers=False,
-        max_restarts=3,
-        start_timeout=1.0,
-        **start_kwargs(method),
-    )
+    env = _gated(gate, method, max_restarts=3, factory_kwargs={"pid_dir": str(tmp_path)})
     try:
         td = env.reset()
         Path(gate + ".once").touch()  # the next worker built hangs, once
@@ -253,14 +260,7 @@ def test_a_replacement_that_always_hangs_ends_in_an_error_naming_the_factory(
     method: str, tmp_path: Path
 ) -> None:
     gate = str(tmp_path / "gate")
-    env = ManagedParallelEnv(
-        2,
-        functools.partial(make_env, init_gate=gate),
-        daemon_workers=False,
-        max_restarts=1,
-        start_timeout=1.0,
-        **start_kwargs(method),
-    )
+    env = _gated(gate, method, max_restarts=1)
     try:
         td = env.reset()
         Path(gate + ".armed").touch()
@@ -282,26 +282,13 @@ def test_a_first_start_that_hangs_is_bounded_and_retried_within_max_restarts(
 ) -> None:
     gate = str(tmp_path / "gate")
     Path(gate + ".armed").touch()
-    env = ManagedParallelEnv(
-        2,
-        functools.partial(make_env, init_gate=gate),
-        daemon_workers=False,
-        start_timeout=1.0,
-        **start_kwargs(method),
-    )
+    env = _gated(gate, method)
     with pytest.raises(WorkerStartTimeoutError, match="did not build its env within start_timeout=1s"):
         env.reset()
     env.close(raise_if_closed=False)
     Path(gate + ".armed").unlink()
     Path(gate + ".once").touch()  # one worker hangs, once: the whole start is tried again
-    env = ManagedParallelEnv(
-        2,
-        functools.partial(make_env, init_gate=gate),
-        daemon_workers=False,
-        start_timeout=1.0,
-        max_restarts=1,
-        **start_kwargs(method),
-    )
+    env = _gated(gate, method, max_restarts=1)
     try:
         td = env.reset()
         assert td["observation"].shape == (2, OBS)
