@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
+import importlib
 import json
 import os
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -88,6 +91,29 @@ def run_script_child(
         return None, f"exit code {proc.returncode}: {tail}"
     result: dict[str, Any] = json.loads(out_path.read_text())
     return result, None
+
+
+def child_trial(
+    trials: dict[str, Callable[[dict[str, Any]], dict[str, Any]]],
+    name: str,
+    spec: dict[str, Any],
+    out_path: Path,
+    imports: Sequence[str] = ("torchrl_ext",),
+) -> dict[str, Any]:
+    """In a child of :func:`run_script_child`: run ``trials[name](spec)`` and return its result,
+    or ``{"error", "traceback"}`` if it raised (the parent counts the trial as failed).
+    ``imports`` are imported before any clock starts; a trial stuck in a call leaves its
+    threads' stacks in ``stacks.txt`` beside ``out_path`` 10 s before ``spec["timeout"]``."""
+    stacks = (out_path.parent / "stacks.txt").open("w")
+    faulthandler.dump_traceback_later(float(spec["timeout"]) - 10.0, exit=True, file=stacks)
+    for module in imports:
+        importlib.import_module(module)
+    try:
+        result = trials[name](spec)
+    except BaseException as err:
+        result = {"error": f"{type(err).__name__}: {err}"[:300], "traceback": traceback.format_exc()}
+    faulthandler.cancel_dump_traceback_later()
+    return result
 
 
 def interleaved(

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import faulthandler
 import functools
 import json
 import math
@@ -45,14 +44,13 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import psutil
 import startup
-from _machine import interleaved, run_script_child, wait_for_quiet
+from _machine import child_trial, interleaved, run_script_child, wait_for_quiet
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -310,20 +308,7 @@ TRIALS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 
 def run_child(spec: dict[str, Any], out_path: Path) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
-    # A trial stuck in a call leaves its threads' stacks here before the parent's timeout.
-    stacks = (out_path.parent / "stacks.txt").open("w")
-    faulthandler.dump_traceback_later(float(spec["timeout"]) - 10.0, exit=True, file=stacks)
-    import torch  # noqa: F401  (imports happen before any clock starts)
-    import torchrl.envs  # noqa: F401
-
-    import torchrl_ext  # noqa: F401
-
-    try:
-        result = TRIALS[spec["mode"]](spec)
-    except BaseException as err:  # reported to the parent, which counts the trial as failed
-        result = {"error": f"{type(err).__name__}: {err}"[:300], "traceback": traceback.format_exc()}
-    faulthandler.cancel_dump_traceback_later()
-    return result
+    return child_trial(TRIALS, spec["mode"], spec, out_path, ("torch", "torchrl.envs", "torchrl_ext"))
 
 
 # ============================================================================ parent side

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import faulthandler
 import functools
 import json
 import math
@@ -51,17 +50,14 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
-from _machine import is_helper, run_script_child, wait_for_quiet
-from tensordict import TensorDict
-from torchrl.data import Bounded, Composite, Unbounded
-from torchrl.envs import EnvBase
+from _machine import child_trial, is_helper, run_script_child, wait_for_quiet
+from overhead import TrivialEnv
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -83,10 +79,10 @@ PARALLEL_MAX_RESTARTS = 20
 
 
 # ================================================================= the env (importable by reference)
-class PolicyEnv(EnvBase):
-    """A trivial env whose reset may keep memory (``grow_mib`` per reset, every page touched,
-    kept in ``self.kept``) and take time (``reset_sleep`` seconds plus a ``reset_tensor_mib``
-    tensor built afresh); episodes end after ``episode_len`` steps."""
+class PolicyEnv(TrivialEnv):
+    """``overhead.py``'s trivial env whose reset may keep memory (``grow_mib`` per reset, every
+    page touched, kept in ``self.kept``) and take time (``reset_sleep`` seconds plus a
+    ``reset_tensor_mib`` tensor built afresh); episodes end after ``episode_len`` steps."""
 
     def __init__(
         self,
@@ -96,52 +92,19 @@ class PolicyEnv(EnvBase):
         reset_tensor_mib: float = 0.0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(batch_size=torch.Size([]), **kwargs)
-        self.episode_len = episode_len
+        super().__init__(loader=False, episode_len=episode_len, **kwargs)
         self.grow = int(grow_mib * MIB)
         self.reset_sleep = reset_sleep
         self.reset_floats = int(reset_tensor_mib * MIB) // 4
         self.kept: list[bytearray] = []
-        self._t = 0
-        self._obs = torch.zeros(4)
-        self.observation_spec = Composite(observation=Unbounded(shape=(4,)))
-        self.action_spec = Bounded(-1.0, 1.0, shape=(1,))
-        self.reward_spec = Unbounded(shape=(1,))
 
-    def _reset(self, tensordict: TensorDict | None = None, **kwargs: Any) -> TensorDict:
+    def _next_item(self) -> torch.Tensor:
+        """The reset's work, then its observation."""
         if self.grow:
             self.kept.append(bytearray(b"\x01") * self.grow)  # filled: every page resident
         if self.reset_sleep:
             time.sleep(self.reset_sleep)
-        if self.reset_floats:
-            self._obs = torch.rand(self.reset_floats)[:4].clone()
-        else:
-            self._obs = torch.zeros(4)
-        self._t = 0
-        return TensorDict(
-            {
-                "observation": self._obs.clone(),
-                "done": torch.zeros(1, dtype=torch.bool),
-                "terminated": torch.zeros(1, dtype=torch.bool),
-            },
-            batch_size=[],
-        )
-
-    def _step(self, tensordict: TensorDict) -> TensorDict:
-        self._t += 1
-        done = torch.tensor([self._t >= self.episode_len])
-        return TensorDict(
-            {
-                "observation": self._obs + self._t,
-                "reward": tensordict["action"].clone(),
-                "done": done,
-                "terminated": done.clone(),
-            },
-            batch_size=[],
-        )
-
-    def _set_seed(self, seed: int | None) -> None:
-        pass
+        return torch.rand(self.reset_floats)[:4].clone() if self.reset_floats else torch.zeros(4)
 
 
 def make_policy_env(**kwargs: Any) -> PolicyEnv:
@@ -292,8 +255,13 @@ def trial_reset_cost(spec: dict[str, Any]) -> dict[str, Any]:
     lengths = [int(v) for v in spec.get("lengths", RESET_COST_LENGTHS)]
     kwargs = [{"episode_len": length} for length in lengths]
     env = ManagedParallelEnv(n, factory, create_env_kwargs=kwargs, recycle_every=RECYCLE_EVERY)
-    out: dict[str, Any] = {"recycled_s": [], "normal_s": [], "both_s": [], "plain_s": [], "odd": []}
+    out: dict[str, Any] = {
+        **{key: [] for key in ("recycled_s", "normal_s", "both_s", "plain_s", "odd")},
+        "standby_built": [],
+    }
     pids: set[int] = set()
+    # Diagnostics only (private): whether a due slot's standby had built its env before the call.
+    recycler = env._state.engine.recycler
     try:
         td = env.reset()
         out["start_method"] = env.start_method
@@ -307,6 +275,7 @@ def trial_reset_cost(spec: dict[str, Any]) -> dict[str, Any]:
         while min(len(out["recycled_s"]), len(out["normal_s"])) < target and calls < 100 * target:
             td.set("action", env.action_spec.rand())
             before = len(env.restarts)
+            built = {s for s, launch in recycler.standby.items() if launch.ready or launch.channel.poll(0)}
             t = time.perf_counter()
             nxt, td = env.step_and_maybe_reset(td)
             dt = time.perf_counter() - t
@@ -316,6 +285,8 @@ def trial_reset_cost(spec: dict[str, Any]) -> dict[str, Any]:
             pids.update(env.worker_pids)
             if len(ended) == 1:
                 out["recycled_s" if grew else "normal_s"].append(dt)
+                if grew:
+                    out["standby_built"].append(ended[0] in built)
             elif len(ended) > 1:
                 out["both_s"].append(dt)
             else:
@@ -443,17 +414,7 @@ TRIALS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 
 
 def run_child(spec: dict[str, Any], out_path: Path) -> dict[str, Any]:
-    # A trial stuck in a call leaves its threads' stacks here before the parent's timeout.
-    stacks = (out_path.parent / "stacks.txt").open("w")
-    faulthandler.dump_traceback_later(float(spec["timeout"]) - 10.0, exit=True, file=stacks)
-    import torchrl_ext  # noqa: F401  (imports happen before any clock starts)
-
-    try:
-        result = TRIALS[spec["cell"]](spec)
-    except BaseException as err:  # reported to the parent, which counts the trial as failed
-        result = {"error": f"{type(err).__name__}: {err}"[:300], "traceback": traceback.format_exc()}
-    faulthandler.cancel_dump_traceback_later()
-    return result
+    return child_trial(TRIALS, spec["cell"], spec, out_path)
 
 
 # ============================================================================ parent side
@@ -597,7 +558,7 @@ def _reset_section(trials: Sequence[dict[str, Any]], args: argparse.Namespace) -
         "## 2. A recycled reset costs about a normal one",
         "",
         f"2 workers, default start, `recycle_every={RECYCLE_EVERY}`, resets of `time.sleep("
-        f"{args.reset_sleep:g})` + a fresh 4 MiB `torch.rand`, episode lengths {list(RESET_COST_LENGTHS)} "
+        f"{args.reset_sleep:g})` + a fresh 4 MiB `torch.rand`, episode lengths {args.lengths} "
         "steps. Timed: each `step_and_maybe_reset` call in which exactly one slot's episode ended, "
         "with a recycle in it (the old worker steps, the standby started ahead takes the slot and "
         "resets) or without (the worker steps and resets itself). The standby is started between "
@@ -606,8 +567,8 @@ def _reset_section(trials: Sequence[dict[str, Any]], args: argparse.Namespace) -
         "",
         "| trial | recycled calls | normal calls | recycled median | normal median | ratio | extra | "
         "recycled p90 | normal p90 | both ended median | plain step median / max | "
-        "record ready_after median |",
-        "|" + "---|" * 12,
+        "record ready_after median | standby built before the call |",
+        "|" + "---|" * 13,
     ]
     ratios = []
     for i, r in enumerate(runs):
@@ -619,7 +580,7 @@ def _reset_section(trials: Sequence[dict[str, Any]], args: argparse.Namespace) -
             f"{_f(ratio, 3, 'x')} | {_ms(rec - nor)} | {_ms(_quantile(r['recycled_s'], 0.9))} | "
             f"{_ms(_quantile(r['normal_s'], 0.9))} | {_ms(_med(r['both_s']))} | "
             f"{_ms(_med(r['plain_s']))} / {_ms(max(r['plain_s'], default=math.nan))} | "
-            f"{_ms(_med(r['ready_after']))} |"
+            f"{_ms(_med(r['ready_after']))} | {sum(r['standby_built'])}/{len(r['standby_built'])} |"
         )
     lines.append("")
     pooled_rec = _med([v for r in runs for v in r["recycled_s"]])
@@ -770,6 +731,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--boundaries", type=int, default=None, help="boundary calls of each kind (80; 60)")
     p.add_argument("--reset-sleep", type=float, default=0.02, help="seconds each reset sleeps, measurement 2")
     p.add_argument(
+        "--lengths",
+        default=",".join(map(str, RESET_COST_LENGTHS)),
+        help="the two slots' episode lengths, measurement 2 (steps, comma-separated)",
+    )
+    p.add_argument("--cells", default=",".join(CELLS), help=f"measurements to run (of {', '.join(CELLS)})")
+    p.add_argument(
         "--repeats", type=int, default=None, help="kills of each kind per trial, measurement 3 (3; 2)"
     )
     p.add_argument("--max-external", type=float, default=0.3, help="cores other jobs may use before a trial")
@@ -781,6 +748,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.rounds = args.rounds or (1 if args.quick else 3)
+    args.lengths = [int(v) for v in args.lengths.split(",")]
+    args.cells = [c for c in args.cells.split(",") if c]
+    if len(args.lengths) != 2 or not set(args.cells) <= set(CELLS):
+        p.error("--lengths takes two episode lengths; --cells names measurements of " + ", ".join(CELLS))
     args.boundaries = args.boundaries or (60 if args.quick else 80)
     args.repeats = args.repeats or (2 if args.quick else 3)
     if args.repeats * (1 + PARALLEL_WORKERS) > PARALLEL_MAX_RESTARTS:
@@ -807,7 +778,7 @@ def _spec(cell: str, round_: int, args: argparse.Namespace) -> dict[str, Any]:
             "boundaries": args.boundaries,
             "reset_sleep": args.reset_sleep,
             "reset_tensor_mib": 4.0,
-            "lengths": list(RESET_COST_LENGTHS),
+            "lengths": args.lengths,
             "timeout": 240.0,
         }
     return {**base, "repeats": args.repeats, "timeout": 120.0 + 60.0 * args.repeats}
@@ -825,7 +796,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = []
     for r in range(args.rounds):
         shift = r % len(CELLS)
-        plan += [_spec(cell, r, args) for cell in (*CELLS[shift:], *CELLS[:shift])]
+        plan += [_spec(cell, r, args) for cell in (*CELLS[shift:], *CELLS[:shift]) if cell in args.cells]
     trials: list[dict[str, Any]] = []
     bar = tqdm(plan, desc="restart_policy", unit="trial", disable=args.no_progress)
     try:
