@@ -13,9 +13,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import Scenario, pid_alive
+from tests.conftest import WORKER_STARTS, Scenario, pid_alive, start_kwargs
+from tests.envs import make_env
 from tests.polling import wait_until
-from torchrl_ext import _platform
+from torchrl_ext import ManagedParallelEnv, _platform
 from torchrl_ext._reaper import Reaper, Registry
 from torchrl_ext._sweep import find_orphans, leftover_processes
 
@@ -70,6 +71,20 @@ def test_sweep_lists_then_kills_orphans_of_a_dead_owner(tmp_path: Path) -> None:
         for proc in (orphan, reused, mine):
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("method", WORKER_STARTS)
+def test_leftover_processes_is_empty_once_every_env_closed(method: str) -> None:
+    """The helpers that live as long as their owner are not leftovers: our preloaded server,
+    and CPython's fork server, which is tagged with its owner when a managed env starts it."""
+    env = ManagedParallelEnv(2, make_env, daemon_workers=False, **start_kwargs(method))
+    try:
+        env.reset()
+        assert set(env.worker_pids) <= {p.pid for p in leftover_processes()}
+    finally:
+        env.close()
+    wait_until(lambda: not leftover_processes(), "no leftover once the env is closed")
 
 
 def _registry_lists(path: Path, pids: set[int]) -> bool:

@@ -144,17 +144,24 @@ def leftover_processes(owner_pid: int | None = None) -> list[psutil.Process]:
     owner = os.getpid() if owner_pid is None else owner_pid
     # This process's preloaded fork server lives as long as it does, as multiprocessing's own.
     server = _forkserver.server_key() if owner == os.getpid() else None
-    out = [t.process for t in _tagged() if t.tag.owner_pid == owner and key_of(t.process) != server]
-    for child in descendants(owner):
+
+    def helper(proc: psutil.Process) -> bool:
+        """Lives as long as the owner: our server, the reaper (and its own fork), and the
+        owner's children CPython's fork server (tagged at birth when a managed env started
+        it) and resource tracker; never a process forked by a server, which shows its
+        server's command line."""
         try:
-            cmd = " ".join(child.cmdline())
+            cmd = " ".join(proc.cmdline())
+            parent = proc.ppid()
         except psutil.Error:
-            continue
-        if not alive(child) or key_of(child) == server:
-            continue
-        if _cpython.is_multiprocessing_helper(cmd) or "_reaper.py" in cmd:
-            continue
-        if child not in out:
+            return True  # gone
+        if key_of(proc) == server or "_reaper.py" in cmd:
+            return True
+        return parent == owner and _cpython.is_multiprocessing_helper(cmd)
+
+    out = [t.process for t in _tagged() if t.tag.owner_pid == owner and not helper(t.process)]
+    for child in descendants(owner):
+        if alive(child) and not helper(child) and child not in out:
             out.append(child)
     return out
 
