@@ -488,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines.append(
         f"Raw steps/s (trial order): upstream {raw['upstream']}; managed {raw['managed']}; "
         f"statistics on / off per trial {[round(r['ratio'], 4) for r in stats_trials]}; supervisor "
-        f"thread CPU on / off per trial {[_cpu_pair(r) for r in stats_trials]}."
+        f"thread CPU on / off per trial {[stats_overhead.cpu_pair(r) for r in stats_trials]}."
     )
     lines.append("")
     for kind in CLASSES:
@@ -527,12 +527,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text)
     print(f"wrote {args.out}")
     return 0
-
-
-def _cpu_pair(result: dict[str, Any]) -> str:
-    """A stats trial's supervisor-thread CPU, on / off, in % of one core."""
-    cpu = result["supervisor_cpu"]
-    return f"{100 * cpu['on']:.2f}%/{100 * cpu['off']:.2f}%"
 
 
 def _version(module: str) -> str:

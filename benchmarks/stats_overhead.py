@@ -7,8 +7,9 @@ one step each (on, off, off, on, ...), and adds up the time of each side's steps
 ``stats()`` reads included; a trial's ratio is off's time over on's, that is on's steps/s over
 off's. Interleaving single steps matters on a shared 2-core machine: there, blocks of 500 steps
 of one env differ by about 11 % (the scheduler placing three busy processes on two cores), so
-alternating blocks left trials 5 % apart; step by step, both sides see the same moment and
-10,000-step trials agree within about 0.5 %. The supervisor's tree sampling runs on its own
+alternating blocks left trials 5 % apart; step by step, both sides see the same moment
+(10,000-step trials agreed within 0.5 % in a quiet hour, 0.96x to 1.04x in a busy one: take
+the median of many). The supervisor's tree sampling runs on its own
 thread by the clock, not by the step, so interleaving charges it to both sides: it is reported
 apart, as the CPU time of each env's supervisor thread per second of the trial. Output:
 ``benchmarks/results/stats_overhead.md`` (``_quick`` with ``--quick``).
@@ -133,6 +134,12 @@ def charged(result: dict[str, Any]) -> float | None:
     return float(result["ratio"] * (1.0 - max(0.0, result["cpu_on"] - result["cpu_off"])))
 
 
+def cpu_pair(result: dict[str, Any]) -> str:
+    """A trial's supervisor-thread CPU, on / off, in % of one core."""
+    cpu = result["supervisor_cpu"]
+    return f"{100 * cpu['on']:.2f} % / {100 * cpu['off']:.2f} %"
+
+
 def table(done: Sequence[dict[str, Any]]) -> list[str]:
     """The per-trial rows of the results table."""
     lines = [
@@ -140,10 +147,9 @@ def table(done: Sequence[dict[str, Any]]) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(done):
-        cpu = r["supervisor_cpu"]
         lines.append(
             f"| {i + 1} | {r['first']} | {r['on_steps_per_s']:.0f} | {r['off_steps_per_s']:.0f} | "
-            f"{r['ratio']:.4f}x | {100 * cpu['on']:.2f} % / {100 * cpu['off']:.2f} % |"
+            f"{r['ratio']:.4f}x | {cpu_pair(r)} |"
         )
     return lines
 
