@@ -20,7 +20,7 @@ import pytest
 from torchrl.envs import ParallelEnv, batched_envs
 
 from tests.envs import make_env
-from torchrl_ext import ManagedParallelEnv, _compat
+from torchrl_ext import ManagedParallelEnv, _compat, _intercept, _patch
 
 
 @dataclasses.dataclass
@@ -210,13 +210,13 @@ def test_fault_check_is_installed_at_the_first_start_not_at_import() -> None:
     previous = batched_envs._check_for_faulty_process
     try:
         batched_envs._check_for_faulty_process = lambda processes: calls.append(processes)
-        _compat.install_fault_check()
+        _intercept.install_fault_check()
         check = batched_envs._check_for_faulty_process
         foreign: list[object] = []
         check(foreign)
         assert calls == [foreign], "a list that is not ours goes to the function that was there"
         raised = []
-        ours = _compat.SupervisedWorkers([], lambda: raised.append(True))
+        ours = _intercept.SupervisedWorkers([], lambda: raised.append(True))
         check(ours)
         assert raised == [True] and calls == [foreign]
     finally:
@@ -226,7 +226,7 @@ def test_fault_check_is_installed_at_the_first_start_not_at_import() -> None:
 @pytest.mark.compat
 def test_scoped_patch_restores_what_was_current_and_keeps_a_later_patch() -> None:
     module = types.SimpleNamespace(f="original")
-    patch = _compat.ScopedPatch(module, "f", lambda previous: f"ours over {previous}")
+    patch = _patch.ScopedPatch(module, "f", lambda previous: f"ours over {previous}")
     module.f = "user's"
     with patch.active() as installed:
         assert module.f == installed == "ours over user's"

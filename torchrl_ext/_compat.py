@@ -1,4 +1,4 @@
-"""Everything we rely on inside TorchRL, in one place: the typed adapter, feature checks, patches.
+"""Everything we rely on inside TorchRL, declared in one place: the typed adapter, feature checks.
 
 Feature detection, not version strings where a probe exists: torchrl 0.10.1 wheels report
 ``0.0.0+unknown`` as ``torchrl.__version__``; :func:`torchrl_release` reads the module first, then
@@ -13,18 +13,19 @@ worker loop's commands (:data:`COMMANDS`) and the methods we override (:data:`HO
 declarations make :data:`INVENTORY`, which ``tests/test_compat.py`` checks on the installed
 release (:func:`missing_names`): a rename upstream fails there, naming what it was for.
 
-Patches follow one rule (:class:`ScopedPatch`): a module attribute is replaced only while a
-managed env needs it, the replacement falls through to whatever was there before for anything
-that is not ours, and leaving the scope puts back exactly what was current when it was entered
-(a user's, a profiler's or a test's own patch included), unless someone replaced ours in the
-meantime, in which case theirs stays.
+The patches of those names live in ``_intercept`` (worker entries, start context, fault check,
+spec reading) and follow one rule (:class:`~torchrl_ext._patch.ScopedPatch`): a module
+attribute is replaced only while a managed env needs it, the replacement falls through to
+whatever was there before for anything that is not ours, and leaving the scope puts back
+exactly what was current when it was entered (a user's, a profiler's or a test's own patch
+included), unless someone replaced ours in the meantime, in which case theirs stays.
 
 How a worker learns it is managed: nothing of ours wraps the user's env factory (TorchRL sends
 an ``EnvCreator`` through multiprocessing's own pickler so that its shared tensors and
 ``mp.Value``s stay shared; a wrapper would make TorchRL cloudpickle it, which copies them).
 Instead the per-worker ``create_env_kwargs`` dict is swapped, during ``_start_workers`` only, for
-a :class:`ConfiguredKwargs`: the same items plus our config, unpacked by our worker entry
-before TorchRL's worker function runs, so the factory receives exactly the user's kwargs.
+a :class:`~torchrl_ext._intercept.ConfiguredKwargs`: the same items plus our config, unpacked
+by our worker entry before TorchRL's worker function runs, so the factory receives exactly the user's kwargs.
 """
 
 from __future__ import annotations
@@ -34,17 +35,12 @@ import importlib
 import importlib.metadata
 import inspect
 import re
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar, overload
 
 import torchrl
-from torchrl.envs import ParallelEnv, batched_envs
-
-from . import _worker
-from ._patch import ScopedPatch
-from ._worker import WorkerConfig
+from torchrl.envs import ParallelEnv
 
 __all__ = [
     "COMMANDS",
@@ -56,18 +52,11 @@ __all__ = [
     "PER_START_KWARGS",
     "UPSTREAM_DEFAULTS",
     "WORKER_KWARGS",
-    "ConfiguredKwargs",
     "Private",
-    "ScopedPatch",
-    "SupervisedWorkers",
     "Upstream",
     "default_start_method",
-    "install_fault_check",
-    "is_worker_entry",
-    "managed_worker_targets",
     "torchrl_default_start_method",
     "torchrl_release",
-    "worker_context",
 ]
 
 Release = tuple[int, int]
@@ -334,179 +323,3 @@ def default_start_method(requested: str | None = None) -> str:
     if requested is not None:
         return requested
     return torchrl_default_start_method() or "spawn"  # TorchRL 0.10: spawn when none is given
-
-
-# --------------------------------------------------------------------------- worker entries
-class ConfiguredKwargs(dict[str, Any]):
-    """A worker's ``create_env_kwargs`` carrying our :class:`WorkerConfig` alongside.
-
-    Pickles its items exactly as the plain dict would (so shared tensors stay shared) and
-    is unpacked back into a plain dict in the worker before the factory sees it.
-    """
-
-    def __init__(self, items: Any, config: WorkerConfig) -> None:
-        super().__init__(items or {})
-        self.trx_config = config
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (ConfiguredKwargs, (dict(self), self.trx_config))
-
-
-def _resolve_entry(name: str) -> Callable[..., Any]:
-    """In a spawned or forkserver child: TorchRL's worker function as that process has it."""
-    entry = getattr(importlib.import_module(batched_envs.__name__), name)
-    found: Callable[..., Any] = entry._previous if isinstance(entry, _ManagedEntry) else entry
-    return found
-
-
-class _ManagedEntry:
-    """Stands in for one of TorchRL's worker functions while a managed env starts its workers.
-
-    A worker whose kwargs carry our config is prepared by ``_worker.run_managed``; any other
-    (an upstream env started meanwhile from another thread) runs the displaced function as is.
-    """
-
-    def __init__(self, name: str, previous: Callable[..., Any]) -> None:
-        self._name = name
-        self._previous = previous
-
-    def __call__(self, **kwargs: Any) -> None:
-        key = WORKER_KWARGS["env_kwargs"]
-        env_kwargs = kwargs.get(key)
-        if not isinstance(env_kwargs, ConfiguredKwargs):
-            self._previous(**kwargs)
-            return
-        kwargs[key] = dict(env_kwargs)
-        config = env_kwargs.trx_config
-        _worker.run_managed(self._previous, config, kwargs)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        previous = self._previous
-        module = getattr(previous, "__module__", None)
-        qualname = getattr(previous, "__qualname__", None)
-        if module == batched_envs.__name__ and qualname == self._name:
-            # The child resolves TorchRL's function by name, as upstream's pickled target does.
-            return (_rebuild_entry, (self._name, None))
-        return (_rebuild_entry, (self._name, previous))
-
-
-def is_worker_entry(target: Any) -> bool:
-    """Whether ``target`` is the target of a managed env's worker process."""
-    return isinstance(target, _ManagedEntry)
-
-
-def _rebuild_entry(name: str, previous: Callable[..., Any] | None) -> _ManagedEntry:
-    return _ManagedEntry(name, _resolve_entry(name) if previous is None else previous)
-
-
-def _entry_patch(name: str) -> ScopedPatch:
-    def make(previous: Callable[..., Any]) -> _ManagedEntry:
-        return _ManagedEntry(name, previous)
-
-    return ScopedPatch(batched_envs, name, make)
-
-
-_ENTRY_PATCHES = [_entry_patch(name) for name in (_SHARED_MEM_ENTRY, _DIRECT_ENTRY)]
-
-
-@contextlib.contextmanager
-def managed_worker_targets() -> Iterator[None]:
-    """While active, ParallelEnv starts workers through our entry points (see the module doc)."""
-    with _ENTRY_PATCHES[0].active(), _ENTRY_PATCHES[1].active():
-        yield
-
-
-# --------------------------------------------------------------------------- start context
-_route = threading.local()
-
-
-class _ContextRouter:
-    """Stands in for ``torch.multiprocessing`` in ``batched_envs`` while a managed env starts
-    its workers from the preloaded fork server: ``get_context`` called by that thread returns
-    the preloaded context; everything else (other threads, every other name) is the module's."""
-
-    def __init__(self, previous: Any) -> None:
-        self._previous = previous
-
-    def get_context(self, method: str | None = None) -> Any:
-        routed = getattr(_route, "context", None)
-        if routed is not None:
-            return routed
-        return self._previous.get_context(method)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._previous, name)
-
-
-_MP_PATCH = ScopedPatch(batched_envs, _MP_NAME, _ContextRouter)
-
-
-@contextlib.contextmanager
-def worker_context(env: Any, context: Any) -> Iterator[None]:
-    """While active, ``env._start_workers`` (TorchRL's) starts its processes from ``context``
-    (``None``: unchanged). TorchRL reads ``_mp_start_method`` to pick its process class, so
-    it is ``"forkserver"`` for the duration and ``None`` again after, as the user left it."""
-    if context is None:
-        yield
-        return
-    upstream = Upstream(env)
-    previous = upstream.mp_start_method
-    upstream.mp_start_method = context.get_start_method()
-    _route.context = context
-    try:
-        with _MP_PATCH.active():
-            yield
-    finally:
-        _route.context = None
-        upstream.mp_start_method = previous
-
-
-# --------------------------------------------------------------------------- fault check
-class SupervisedWorkers(list[Any]):
-    """The env's ``_workers`` list, carrying the supervisor's fault check.
-
-    TorchRL's ``_check_start`` calls ``_check_for_faulty_process(self._workers)`` before most
-    methods; for our workers that check is the supervisor's (which keeps the survivors alive
-    and raises our error) instead of TorchRL's (which terminates them and closes the
-    ``Process`` objects).
-    """
-
-    def __init__(self, processes: list[Any], check_faults: Callable[[], None]) -> None:
-        super().__init__(processes)
-        self.check_faults = check_faults
-
-
-class _FaultCheck:
-    """Replaces ``batched_envs._check_for_faulty_process``: ours for our lists, theirs otherwise."""
-
-    def __init__(self, previous: Callable[..., Any]) -> None:
-        self.previous = previous
-
-    def __call__(self, processes: Any) -> Any:
-        check = getattr(processes, "check_faults", None)
-        if isinstance(processes, SupervisedWorkers) and check is not None:
-            check()
-            return None
-        return self.previous(processes)
-
-
-_fault_check_lock = threading.Lock()
-
-
-def install_fault_check() -> None:
-    """Route TorchRL's fault check of our worker lists to the supervisor (first start only).
-
-    Installed once, when the first managed env starts, over whatever is current then; every
-    other list goes to that function. If something later replaces it, ours is installed again
-    on top at the next start, still delegating.
-    """
-    with _fault_check_lock:
-        current = getattr(batched_envs, _FAULT_CHECK)
-        if not isinstance(current, _FaultCheck):
-            setattr(batched_envs, _FAULT_CHECK, _FaultCheck(current))
-
-
-# --------------------------------------------------------------------------- spec reading
-def get_env_metadata_patch(make: Callable[[Any], Any]) -> ScopedPatch:
-    """A scoped patch of the function ``ParallelEnv.__init__`` reads env specs with."""
-    return ScopedPatch(batched_envs, METADATA_READER, make)

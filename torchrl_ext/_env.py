@@ -20,13 +20,8 @@ from typing import Any
 from torchrl.envs import EnvBase, ParallelEnv
 
 from . import _lifecycle, _reaper_client
-from ._compat import (
-    HAS_DAEMON_KWARG,
-    HAS_SHUTDOWN_TIMEOUT_KWARG,
-    SupervisedWorkers,
-    Upstream,
-    default_start_method,
-)
+from ._compat import HAS_DAEMON_KWARG, HAS_SHUTDOWN_TIMEOUT_KWARG, Upstream, default_start_method
+from ._intercept import SupervisedWorkers
 from ._marks import add_restart_keys
 from ._options import DEFAULT_SHUTDOWN_TIMEOUT, Options
 from ._policy import DEFAULT_RESTART_BACKOFF, RestartRecord

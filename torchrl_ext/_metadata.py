@@ -31,7 +31,7 @@ from torchrl.envs import EnvBase
 from torchrl.envs.env_creator import EnvCreator
 
 from . import _identity, _platform, _reaper_client
-from ._compat import get_env_metadata_patch
+from ._intercept import get_env_metadata_patch
 from ._tag import Tag, tagged_spawns
 from ._wire import exception_report, rebuild_exception
 from ._worker import WorkerConfig, end_own_descendants, exit_now, prepare_process

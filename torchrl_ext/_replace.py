@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import _platform
-from ._compat import PER_START_KWARGS, WORKER_KWARGS, ConfiguredKwargs, Upstream, unwrap_factory
+from ._compat import PER_START_KWARGS, WORKER_KWARGS, Upstream, unwrap_factory
 from ._cpython import process_kwargs, process_start_method
 from ._done_signal import Answers
+from ._intercept import ConfiguredKwargs
 from ._supervisor import WorkerSupervisor
 from ._tag import tagged_spawns
 from ._templates import copy_unstarted

@@ -25,10 +25,11 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._channel import is_forwarded_call
-from ._compat import PER_START_KWARGS, Upstream, is_worker_entry
+from ._compat import PER_START_KWARGS, Upstream
 from ._cpython import process_kwargs, process_target, set_process_kwargs
 from ._done_signal import Answers, DoneSignal
 from ._errors import WorkerDiedError, WorkerHungError, WorkerStartTimeoutError
+from ._intercept import is_worker_entry
 from ._marks import clear_marks, clear_root_marks, mark_transition
 from ._options import Options
 from ._policy import Backoff, RestartBudget, RestartRecord, replacement_seed, restarts_on_error

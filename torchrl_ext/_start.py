@@ -25,19 +25,16 @@ from typing import Any
 import psutil
 
 from . import _cpython, _forkserver, _identity, _lifecycle, _platform, _reaper_client, _stacks
-from ._compat import (
-    UPSTREAM_DEFAULTS,
-    ConfiguredKwargs,
-    SupervisedWorkers,
-    Upstream,
-    default_start_method,
-    install_fault_check,
-    managed_worker_targets,
-    unwrap_factory,
-    worker_context,
-)
+from ._compat import UPSTREAM_DEFAULTS, Upstream, default_start_method, unwrap_factory
 from ._done_signal import has_spare_core
 from ._errors import DaemonicParentError, WorkerStartTimeoutError
+from ._intercept import (
+    ConfiguredKwargs,
+    SupervisedWorkers,
+    install_fault_check,
+    managed_worker_targets,
+    worker_context,
+)
 from ._metadata import metadata_in_subprocess
 from ._options import Options
 from ._replace import describe_factory

@@ -37,8 +37,8 @@ from typing import Any
 import psutil
 
 from . import _cpython, _identity, _platform, _reaper_client
-from ._compat import ScopedPatch
 from ._identity import OWNER_VAR, WORKER_VAR
+from ._patch import ScopedPatch
 
 __all__ = ["OWNER_VAR", "WORKER_VAR", "Tag", "new_env_tag", "read_tag", "tagged_spawns"]
 
