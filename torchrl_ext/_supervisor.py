@@ -1,10 +1,12 @@
 """The supervisor: owns the process state of one started ManagedParallelEnv.
 
 It records every worker (pid, create time, process group) and, twice a second, every
-descendant (sampling the trees for ``stats()``, ``_stats``); a watcher thread waits on the
-workers' sentinels, so a death is seen when it happens. On a death it kills and reaps the dead
-worker's whole tree at once and keeps the failure, which the env raises on its pending or next
-call. :meth:`WorkerSupervisor.shutdown` is the bounded close, NOTE [shutdown order] in ``_shutdown``.
+descendant (sampling the trees for ``stats()``, ``_stats``); a watcher thread (``_watcher``,
+which owns the descriptors it waits on) waits on the workers' sentinels, so a death is seen
+when it happens; what each round waits on and does is planned here (:meth:`_plan_round`).
+On a death it kills and reaps the dead worker's whole tree at once and keeps the failure,
+which the env raises on its pending or next call. :meth:`WorkerSupervisor.shutdown` is the
+bounded close, NOTE [shutdown order] in ``_shutdown``.
 
 What the env may ask of it (nothing outside this module takes its lock or reads its records):
 the one failure query (:meth:`WorkerSupervisor.failure`), the pending losses
@@ -40,6 +42,7 @@ from ._shutdown import close_workers
 from ._stats import EnvStats
 from ._succession import Succession
 from ._tag import Tag
+from ._watcher import Round, Watcher
 from ._wire import read_report, rebuild_exception
 
 __all__ = ["LOST_PIPE_WAIT", "WorkerSupervisor"]
@@ -76,13 +79,12 @@ class WorkerSupervisor:
         self._lock = threading.RLock()
         self._failure_seen = threading.Event()
         self._closing = False
-        self._stopped = False
-        self._wake_r, self._wake_w = os.pipe()
         #: Where workers say "done" and where a death wakes the env's waiting main thread.
         self.done_signal = DoneSignal(os.path.join(self.report_dir, "done.fifo"))
         if stats is not None:
             stats.bind(label, os.path.join(self.report_dir, "status.json"))
-        self._thread: threading.Thread | None = None
+        #: The thread that waits on the workers' exits, and the descriptors it waits on.
+        self._watcher = Watcher(f"torchrl_ext-supervisor-{label}", self._lock, self._plan_round)
         self.first_failure: BaseException | None = None
         #: With restarts on (set once, by :meth:`enable_restarts`, before :meth:`attach`): lost
         #: workers (tree already killed) the env has not handled yet; their failures are not
@@ -91,11 +93,8 @@ class WorkerSupervisor:
         self._replaceable = False
         self.lost: list[WorkerRecord] = []
         self.restarts = 0
-        self._retired_fds: list[int] = []
         #: Recycling (``_recycle``): the slots' standby and retiring workers.
-        self.succession = Succession(label, self._lock, self._retire_fd)
-        #: Descriptors ``stop()`` left to the watcher to close as it leaves (it outlived the join).
-        self._close_on_exit: list[int] = []
+        self.succession = Succession(label, self._lock, self._watcher.retire_fd)
 
     # ------------------------------------------------------------------ set-up
     def enable_restarts(self, on: bool, replaceable: bool = False) -> None:
@@ -117,10 +116,7 @@ class WorkerSupervisor:
                 wrapped.append(worker.channel)
                 self._workers.append(worker)
         self._snapshot()
-        self._thread = threading.Thread(
-            target=self._watch, name=f"torchrl_ext-supervisor-{self.label}", daemon=True
-        )
-        self._thread.start()
+        self._watcher.start()
         return wrapped
 
     def _record(self, index: int, process: Any, channel: Any) -> WorkerRecord:
@@ -165,7 +161,7 @@ class WorkerSupervisor:
                 self._failure_seen.clear()
             self.restarts += 1
             if old.pidfd is not None:  # closed by the watcher, which may be waiting on it now
-                self._retired_fds.append(old.pidfd)
+                self._watcher.retire_fd(old.pidfd)
         _reaper_client.unwatch(old.pid)
         with contextlib.suppress(ValueError, AssertionError):
             old.process.close()  # its status was collected when it was lost
@@ -174,7 +170,7 @@ class WorkerSupervisor:
             old.channel.intercept = None
         with contextlib.suppress(OSError):
             old.channel.close()  # now, not when a collection finds the old record
-        self._wake_watcher()
+        self._watcher.wake()
         return worker.channel
 
     # ------------------------------------------------------------------ recycling
@@ -199,12 +195,8 @@ class WorkerSupervisor:
             old = self._workers[position]
             self._workers[position] = new
             self.succession.retiring.append((old, time.monotonic() + close_within))
-        self._wake_watcher()
+        self._watcher.wake()
         return new.channel, old.channel
-
-    def _retire_fd(self, fd: int) -> None:
-        """Hand a pidfd to the watcher to close (it may be waiting on it now); under the lock."""
-        self._retired_fds.append(fd)
 
     def _worker(self, index: int) -> WorkerRecord:
         with self._lock:
@@ -245,42 +237,20 @@ class WorkerSupervisor:
         worker.stacks = _stacks.capture(worker.pid, worker.create_time, self.report_path(index))
         worker.signal(signal.SIGKILL)
 
-    def _wake_watcher(self) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"r")
-
     # ------------------------------------------------------------------ watching
-    def _watch(self) -> None:
-        try:
-            self._watch_loop()
-        finally:
-            with self._lock:
-                fds, self._close_on_exit = self._close_on_exit, []
-            _close_all(fds)
+    def _plan_round(self) -> Round:
+        """The watcher's next round (under the lock): the current workers' exits and the
+        retiring workers (``_succession``), then the snapshot."""
+        pending = {w.sentinel: w for w in self._workers if not w.finished}
+        retiring = self.succession.sentinels()
+        polled = [w for w in pending.values() if w.pidfd is None]
+        # Without pidfds (macOS, old kernels) a sentinel can stay open after the worker died
+        # (forked grandchildren inherit it), so those workers are also polled.
+        timeout = FALLBACK_POLL_INTERVAL if polled or retiring else SNAPSHOT_INTERVAL
 
-    def _watch_loop(self) -> None:
-        while True:
-            with self._lock:
-                if self._stopped:
-                    return
-                pending = {w.sentinel: w for w in self._workers if not w.finished}
-                retiring = self.succession.sentinels()
-                retired, self._retired_fds = self._retired_fds, []
-            for retired_fd in retired:
-                with contextlib.suppress(OSError):
-                    os.close(retired_fd)
-            polled = [w for w in pending.values() if w.pidfd is None]
-            # Without pidfds (macOS, old kernels) a sentinel can stay open after the worker died
-            # (forked grandchildren inherit it), so those workers are also polled.
-            timeout = FALLBACK_POLL_INTERVAL if polled else SNAPSHOT_INTERVAL
-            if retiring:
-                timeout = min(timeout, FALLBACK_POLL_INTERVAL)
-            ready = multiprocessing.connection.wait([*pending, *retiring, self._wake_r], timeout=timeout)
+        def handle(ready: list[int]) -> None:
             if retiring:
                 self.succession.watch([fd for fd in ready if fd in retiring])
-            if self._wake_r in ready:
-                with contextlib.suppress(OSError):
-                    os.read(self._wake_r, 4096)
             for fd in ready:
                 if fd in pending:
                     self._on_exit(pending[fd])
@@ -288,6 +258,8 @@ class WorkerSupervisor:
                 if not worker.finished and worker.exited():
                     self._on_exit(worker)
             self._snapshot()
+
+        return Round([*pending, *retiring], timeout, handle)
 
     def _snapshot(self) -> None:
         """Refresh each live worker's descendants; sample their trees for ``stats()`` if due."""
@@ -487,37 +459,13 @@ class WorkerSupervisor:
 
     def stop(self, deadline: float | None = None) -> None:
         """Stop the watcher thread (waiting for it until ``deadline``, monotonic, at most 2 s
-        from now) and remove the report directory. Idempotent."""
-        with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
-        watcher = self._thread
-        if watcher is not None and watcher is not threading.current_thread():
-            limit = 2.0 if deadline is None else max(0.0, min(2.0, deadline - time.monotonic()))
-            watcher.join(timeout=limit)
-        with self._lock:
-            retired, self._retired_fds = self._retired_fds, []
-            fds = [self._wake_r, self._wake_w, *retired] + [
-                w.pidfd for w in self._workers if w.pidfd is not None
-            ]
-            if watcher is not None and watcher.is_alive() and watcher is not threading.current_thread():
-                # Still in a wait or an exit-status read past the deadline: the descriptors it
-                # may be using are closed by the watcher itself as it leaves (never reused under it).
-                self._close_on_exit = fds
-                fds = []
-        _close_all(fds)
+        from now; ``_watcher``), close the descriptors and remove the report directory.
+        Idempotent."""
+
+        def held() -> list[int]:
+            return [w.pidfd for w in self._workers if w.pidfd is not None]
+
+        if not self._watcher.stop(deadline, held):
+            return
         self.done_signal.close()
         shutil.rmtree(self.report_dir, ignore_errors=True)
-
-
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
