@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -225,6 +226,26 @@ def kill_tree(pid: int, timeout: float = 10.0) -> None:
 
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+def fd_table() -> dict[int, str]:
+    """This process's open descriptors and what each refers to (``readlink``)."""
+    table = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            table[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return table
+
+
+def fd_growth(before: dict[int, str]) -> str:
+    """What is open now that was not in ``before`` (for an assertion's message), and which
+    threads run: a descriptor held by a thread that outlived its owner shows with the thread."""
+    now = fd_table()
+    new = {fd: target for fd, target in now.items() if before.get(fd) != target}
+    threads = sorted(t.name for t in threading.enumerate())
+    return f"{len(before)} -> {len(now)} descriptors; new: {new}; threads: {threads}"
 
 
 def shm_entries() -> set[str]:

@@ -16,7 +16,7 @@ import psutil
 import pytest
 from torch.utils.data import DataLoader, Dataset
 
-from tests.conftest import fd_count, pid_alive, shm_entries
+from tests.conftest import fd_growth, fd_table, pid_alive, shm_entries
 from tests.envs import make_env
 from tests.polling import WaitTimeout, wait_until
 from torchrl_ext import ManagedParallelEnv, RemoteTraceback, WorkerDiedError
@@ -231,12 +231,12 @@ def test_no_zombies_fds_or_shm_after_repeated_worker_deaths() -> None:
 
     cycle()  # warm-up: lazily created helpers (resource tracker, thread pools) exist from here on
     gc.collect()  # envs sit in reference cycles (upstream's too): collect before counting
-    fds, shm = fd_count(), shm_entries()
+    fds, shm = fd_table(), shm_entries()
     me = psutil.Process()
     for _ in range(20):
         cycle()
     gc.collect()
-    assert fd_count() <= fds
+    assert len(fd_table()) <= len(fds), fd_growth(fds)
     assert_no_shm_growth(shm, cycles=20)
     zombies = [c for c in me.children(recursive=True) if c.status() == psutil.STATUS_ZOMBIE]
     assert not zombies
@@ -253,12 +253,12 @@ def test_create_rollout_close_cycles_leak_nothing() -> None:
 
     cycle()
     gc.collect()
-    fds, shm = fd_count(), shm_entries()
+    fds, shm = fd_table(), shm_entries()
     threads = threading.active_count()
     for _ in range(20):
         cycle()
     gc.collect()
-    assert fd_count() <= fds
+    assert len(fd_table()) <= len(fds), fd_growth(fds)
     assert_no_shm_growth(shm, cycles=20)
     assert threading.active_count() <= threads
     assert not psutil.Process().children(recursive=True) or all(

@@ -13,6 +13,7 @@ sets ``hung`` and ``hang_timeout`` (through ``WorkerSupervisor.kill_hung``) befo
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -152,6 +153,12 @@ class WorkerRecord:
             return self.process.exitcode is not None
         except ValueError:  # multiprocessing.Process.close() was called
             return True
+
+    def release_process(self) -> None:
+        """Close its ``multiprocessing.Process`` (the sentinel pipes that object holds until
+        it is closed or collected) once its exit is collected; while it runs, keep it."""
+        with contextlib.suppress(ValueError, AssertionError):
+            self.process.close()
 
     def gone(self) -> bool:
         """Exited, or no process of this identity runs any more."""

@@ -163,8 +163,7 @@ class WorkerSupervisor:
             if old.pidfd is not None:  # closed by the watcher, which may be waiting on it now
                 self._watcher.retire_fd(old.pidfd)
         _reaper_client.unwatch(old.pid)
-        with contextlib.suppress(ValueError, AssertionError):
-            old.process.close()  # its status was collected when it was lost
+        old.release_process()  # its status was collected when it was lost
         old.channel.on_eof = None  # it refers back to the worker
         if isinstance(old.channel, RestartableChannel):
             old.channel.intercept = None
@@ -459,13 +458,21 @@ class WorkerSupervisor:
 
     def stop(self, deadline: float | None = None) -> None:
         """Stop the watcher thread (waiting for it until ``deadline``, monotonic, at most 2 s
-        from now; ``_watcher``), close the descriptors and remove the report directory.
-        Idempotent."""
-
-        def held() -> list[int]:
-            return [w.pidfd for w in self._workers if w.pidfd is not None]
-
-        if not self._watcher.stop(deadline, held):
+        from now; ``_watcher``), release the workers' descriptors and remove the report
+        directory. Idempotent."""
+        if not self._watcher.stop(deadline, self._release):
             return
         self.done_signal.close()
         shutil.rmtree(self.report_dir, ignore_errors=True)
+
+    def _release(self) -> list[int]:
+        """Once the watcher is gone (under the lock): close each worker's ``Process`` object
+        (its sentinel pipes, as upstream's close drops its own; one still running keeps it)
+        and return the pidfds still held, for the watcher to close."""
+        fds = []
+        for worker in self._workers:
+            worker.release_process()
+            if worker.pidfd is not None:
+                fds.append(worker.pidfd)
+                worker.pidfd = None  # nothing reads a closed number, or its next owner's
+        return fds

@@ -56,8 +56,10 @@ class Watcher:
 
     Fields, under ``lock`` (the supervisor's): ``_stopped`` is set once, by :meth:`stop`;
     ``_retired`` collects descriptors to close, appended by :meth:`retire_fd` and taken by the
-    thread each round (or by :meth:`stop`); ``_close_on_exit`` is what :meth:`stop` left to a
-    thread that outlived its join, closed by that thread as it leaves.
+    thread each round (or by :meth:`stop`); ``_left`` is set once, by the thread as it leaves;
+    ``_on_exit`` is what :meth:`stop` left to a thread that had not left after its join (the
+    release, then the descriptors), run by that thread as it leaves. Both are read and written
+    under the lock, so exactly one of the two runs it.
     """
 
     def __init__(self, name: str, lock: threading.RLock, plan: Callable[[], Round]) -> None:
@@ -67,7 +69,8 @@ class Watcher:
         self._wake_r, self._wake_w = os.pipe()
         self._stopped = False
         self._retired: list[int] = []
-        self._close_on_exit: list[int] = []
+        self._left = False
+        self._on_exit: Callable[[], None] | None = None
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -84,11 +87,12 @@ class Watcher:
         """Have ``fd`` (a dropped worker's pidfd) closed by the thread; under the lock."""
         self._retired.append(fd)
 
-    def stop(self, deadline: float | None, held: Callable[[], list[int]]) -> bool:
+    def stop(self, deadline: float | None, release: Callable[[], list[int]]) -> bool:
         """Stop the thread, waiting for it until ``deadline`` (monotonic; at most
-        :data:`STOP_JOIN_LIMIT` from now), and close every descriptor: its own, the retired
-        ones and ``held()`` (called under the lock once the thread has left, or given to the
-        thread if it has not). Returns False if it was already stopped."""
+        :data:`STOP_JOIN_LIMIT` from now); once it is gone, run ``release`` (under the lock:
+        it frees what the thread may have been waiting on and returns the descriptors still
+        held) and close those, the retired ones and the thread's own. A thread still running
+        at the deadline does that itself as it leaves. Returns False if already stopped."""
         with self._lock:
             if self._stopped:
                 return False
@@ -100,13 +104,18 @@ class Watcher:
         if thread is not None and thread is not current:
             limit = STOP_JOIN_LIMIT if deadline is None else deadline - time.monotonic()
             thread.join(timeout=max(0.0, min(STOP_JOIN_LIMIT, limit)))
+
+        def finish() -> None:
+            with self._lock:
+                retired, self._retired = self._retired, []
+                fds = [*release(), *retired, self._wake_r, self._wake_w]
+            close_all(fds)
+
         with self._lock:
-            retired, self._retired = self._retired, []
-            fds = [self._wake_r, self._wake_w, *retired, *held()]
-            if thread is not None and thread.is_alive() and thread is not current:
-                self._close_on_exit = fds
-                fds = []
-        close_all(fds)
+            if thread is not None and not self._left and thread is not current:
+                self._on_exit = finish
+                return True
+        finish()
         return True
 
     def _run(self) -> None:
@@ -114,8 +123,10 @@ class Watcher:
             self._loop()
         finally:
             with self._lock:
-                fds, self._close_on_exit = self._close_on_exit, []
-            close_all(fds)
+                self._left = True
+                finish, self._on_exit = self._on_exit, None
+            if finish is not None:
+                finish()
 
     def _loop(self) -> None:
         while True:

@@ -15,13 +15,15 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from tests.conftest import START_METHODS, child_env
-from tests.contract.envs import make_thread_checking_env
+from tests.conftest import START_METHODS, child_env, fd_table
+from tests.contract.envs import make_counting_env, make_thread_checking_env
 from tests.contract.helpers import HAS_DAEMON, Record, Variant, assert_same_as_upstream, closing, run_variants
 
 pytestmark = pytest.mark.timeout(240)
@@ -90,5 +92,36 @@ def test_every_other_process_is_a_worker_by_its_thread_count(mp_start_method: st
             return
         with closing(env):
             rec("rollout", lambda: env.rollout(3).batch_size)
+
+    assert_same_as_upstream(run_variants(scenario))
+
+
+def _descriptor_kinds() -> Counter[str]:
+    """This process's open pipes, sockets and anonymous descriptors (pidfds, eventfds), by
+    kind. Paths are left out: torch's shared-memory buffers stay mapped until the env is
+    collected, in upstream's env too, and our reaper's FIFO outlives the last close by design
+    (``_reaper_client.LINGER``)."""
+    return Counter(target.split(":[")[0] for target in fd_table().values() if not target.startswith("/"))
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("mp_start_method", ["default", *START_METHODS])
+def test_close_leaves_no_pipe_socket_or_pidfd_open_while_the_env_is_referenced(mp_start_method: str) -> None:
+    """Upstream's close drops its worker processes and channels, so their pipes close at once
+    although the caller still holds the env; ours must too, not when a collection finds it."""
+    factory = functools.partial(make_counting_env)
+
+    def scenario(variant: Variant, rec: Record) -> None:
+        def build_use_close() -> Any:
+            env = variant(2, factory, mp_start_method=mp_start_method)
+            with closing(env):
+                env.rollout(3)
+            return env
+
+        build_use_close()  # process-wide helpers (a fork server, the resource tracker) start here
+        before = _descriptor_kinds()
+        env = build_use_close()
+        rec("left open after close", lambda: dict(_descriptor_kinds() - before))
+        del env
 
     assert_same_as_upstream(run_variants(scenario))
