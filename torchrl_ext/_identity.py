@@ -362,12 +362,19 @@ def _zombie(pid: int) -> bool:
 
 
 def kill_and_reap(
-    procs: Iterable[psutil.Process], grace: float, what: str = "process", kill_wait: float = 5.0
+    procs: Iterable[psutil.Process],
+    grace: float,
+    what: str = "process",
+    kill_wait: float = 5.0,
+    collect_late: bool = False,
 ) -> tuple[list[psutil.Process], list[psutil.Process]]:
     """SIGTERM ``procs``, wait up to ``grace`` seconds, SIGKILL what is left, reap our children.
 
-    ``grace <= 0`` sends SIGKILL at once. Returns ``(terminated, killed)``: the processes that
-    ended after SIGTERM and those that needed SIGKILL; those already gone are in neither.
+    ``grace <= 0`` sends SIGKILL at once. With ``collect_late`` (a parent process: the owner),
+    those that could not be collected within the waits (a multi-threaded zombie, a process
+    re-parented to us a moment later) are collected when they can be (:func:`reap_later`).
+    Returns ``(terminated, killed)``: the processes that ended after SIGTERM and those that
+    needed SIGKILL; those already gone are in neither.
     """
     everything = unique(procs)
     targets = [proc for proc in everything if alive(proc)]
@@ -399,6 +406,8 @@ def kill_and_reap(
     if killed:
         psutil.wait_procs(killed, timeout=kill_wait)
     reap_if_child(everything, wait=min(kill_wait, ZOMBIE_WAIT))
+    if collect_late:
+        reap_later(everything)
     return terminated, killed
 
 

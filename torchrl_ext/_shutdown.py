@@ -126,10 +126,11 @@ def close_workers(
     # of ours in it: its group id may have been recycled by a stranger since.
     leftovers = tree_of(workers, [w for w in workers if outcome.get(w.index) != "died"])
     grace = min(0.5, left() / 2)  # 0 once the deadline is near: SIGKILL at once
-    swept_t, swept_k = _identity.kill_and_reap(leftovers, grace, what=f"{label} leftover", kill_wait=left())
-    swept = len(swept_t) + len(swept_k)
     # Whatever dies after the deadline (re-parented to us) is still collected, in the background.
-    _identity.reap_later(leftovers)
+    swept_t, swept_k = _identity.kill_and_reap(
+        leftovers, grace, what=f"{label} leftover", kill_wait=left(), collect_late=True
+    )
+    swept = len(swept_t) + len(swept_k)
     if swept:
         log.warning("%s: swept %d leftover process(es) after the workers exited", label, swept)
     for worker in workers:

@@ -99,9 +99,12 @@ class Succession:
             include_workers=False,  # collected by multiprocessing (read_exitcode), not here
             dying=True,
         )
-        _identity.kill_and_reap(tree, grace=0.0, kill_wait=2.0)
+        _identity.kill_and_reap(tree, grace=0.0, kill_wait=2.0, collect_late=True)
         for worker in workers:
             worker.exitcode = worker.read_exitcode(wait=2.0)
+            if worker.exitcode is None:  # still exiting: collected when it can be
+                proc = _identity.same_process(worker.pid, worker.create_time)
+                _identity.reap_later([proc] if proc is not None else [])
             worker.handled.set()
             _reaper_client.unwatch(worker.pid)
             with contextlib.suppress(OSError):

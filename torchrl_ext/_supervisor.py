@@ -356,7 +356,7 @@ class WorkerSupervisor:
     def _kill_tree(self, worker: WorkerRecord) -> int:
         """SIGKILL and reap what is left of a worker that just died."""
         _terminated, killed = _identity.kill_and_reap(
-            self._tree_of([worker], recent=[worker]), grace=0.0, kill_wait=2.0
+            self._tree_of([worker], recent=[worker]), grace=0.0, kill_wait=2.0, collect_late=True
         )
         return len(killed)
 
