@@ -558,7 +558,9 @@ def _reset_section(trials: Sequence[dict[str, Any]], args: argparse.Namespace) -
         "## 2. A recycled reset costs about a normal one",
         "",
         f"2 workers, default start, `recycle_every={RECYCLE_EVERY}`, resets of `time.sleep("
-        f"{args.reset_sleep:g})` + a fresh 4 MiB `torch.rand`, episode lengths {args.lengths} "
+        f"{args.reset_sleep:g})`"
+        + (f" + a fresh {args.reset_tensor_mib:g} MiB `torch.rand`" if args.reset_tensor_mib else "")
+        + f", episode lengths {args.lengths} "
         "steps. Timed: each `step_and_maybe_reset` call in which exactly one slot's episode ended, "
         "with a recycle in it (the old worker steps, the standby started ahead takes the slot and "
         "resets) or without (the worker steps and resets itself). The standby is started between "
@@ -731,6 +733,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--boundaries", type=int, default=None, help="boundary calls of each kind (80; 60)")
     p.add_argument("--reset-sleep", type=float, default=0.02, help="seconds each reset sleeps, measurement 2")
     p.add_argument(
+        "--reset-tensor-mib",
+        type=float,
+        default=4.0,
+        help="MiB of tensor each reset builds afresh, measurement 2 (0: none; a fresh worker pays the "
+        "first touch of that memory)",
+    )
+    p.add_argument(
         "--lengths",
         default=",".join(map(str, RESET_COST_LENGTHS)),
         help="the two slots' episode lengths, measurement 2 (steps, comma-separated)",
@@ -777,7 +786,7 @@ def _spec(cell: str, round_: int, args: argparse.Namespace) -> dict[str, Any]:
             **base,
             "boundaries": args.boundaries,
             "reset_sleep": args.reset_sleep,
-            "reset_tensor_mib": 4.0,
+            "reset_tensor_mib": args.reset_tensor_mib,
             "lengths": args.lengths,
             "timeout": 240.0,
         }
