@@ -15,7 +15,8 @@ the workers import by reference (``restart_policy.make_policy_env``, as ``overhe
    and more the episodes that fit under the cap. At every call in which a slot's episode ended,
    that slot's worker tree RSS is read with psutil; the maximum is reported.
 2. **A recycled reset costs about a normal one.** Resets take a stable time (``--reset-sleep``
-   seconds, a cost model, plus building a 4 MiB tensor); 2 workers, default start,
+   seconds, a cost model, plus building a ``--reset-tensor-mib`` tensor, 4 MiB by default);
+   2 workers, default start,
    ``recycle_every=3``, episode lengths 5 and 7 steps (``create_env_kwargs``) so that the slots
    mostly end their episodes in different calls. Every ``step_and_maybe_reset`` call in which
    exactly one slot's episode ended is timed, split into calls with a recycle (``env.restarts``
