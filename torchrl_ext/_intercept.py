@@ -5,8 +5,8 @@ Every name patched here is declared in ``_compat``'s inventory (``_SHARED_MEM_EN
 rule of :class:`~torchrl_ext._patch.ScopedPatch`; see ``_compat``'s module docstring for how a
 worker learns it is managed (:class:`ConfiguredKwargs`, not a wrapped factory).
 
-- worker entries (:func:`managed_worker_targets`): TorchRL's worker functions stand in for
-  ours while ``_start_workers`` runs; a worker carrying our config runs ``_worker.run_managed``.
+- worker entries (:func:`managed_worker_targets`): ours stand in for TorchRL's worker
+  functions while ``_start_workers`` runs; a worker carrying our config runs ``_worker.run_managed``.
 - start context (:func:`worker_context`): ``mp.get_context`` returns the preloaded fork server's
   context to the starting thread only.
 - fault check (:func:`install_fault_check`): ``_check_for_faulty_process`` on our worker lists

@@ -15,10 +15,12 @@ thread and the descriptors.
 
 Descriptors. A pidfd the thread may be waiting on is never closed by another thread: whoever
 drops a worker *retires* its pidfd (:meth:`Watcher.retire_fd`, under the lock) and the thread
-closes it at the top of its next round. :meth:`Watcher.stop` closes the wake pipe, the retired
-descriptors and those the supervisor still holds once the thread has left; a thread still
-inside a round at the deadline (a slow exit-status read, a snapshot on a busy machine) closes
-them itself as it leaves, so none is reused under it.
+closes it at the top of its next round. Once the thread has left, :meth:`Watcher.stop` runs the
+supervisor's release (which closes the workers' ``Process`` objects, their sentinels among
+them, and hands back the pidfds it still holds) and closes those, the retired descriptors and
+the wake pipe; a thread still inside a round at the deadline (a slow exit-status read, a
+snapshot on a busy machine) does that itself as it leaves, so nothing is closed, or its number
+reused, under it.
 """
 
 from __future__ import annotations
