@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 from tests.conftest import START_METHODS, WORKER_STARTS, pid_alive, start_kwargs
 from tests.envs import make_env
 from tests.polling import wait_until
-from torchrl_ext import ManagedParallelEnv, WorkerDiedError
+from torchrl_ext import ManagedParallelEnv, WorkerDiedError, _shutdown
 from torchrl_ext._compat import HAS_DAEMON_KWARG
 
 #: ``shutdown_timeout`` of tests that expect a graceful close: the close message phase (60 %)
@@ -307,3 +308,68 @@ def test_close_leaves_a_stranger_in_a_recycled_process_group_alone(method: str) 
             os.killpg(stranger.pid, signal.SIGKILL)
             stranger.wait()
             stranger.stdout.close()  # type: ignore[union-attr]
+
+
+class _ScriptedWorker:
+    """A worker record for ``close_workers`` alone: it is seen gone from its ``looks_alive + 1``-th
+    look after the close message's phase ended (the moment a real worker can exit in: between
+    two looks of the shutdown), and records the signals sent to it."""
+
+    def __init__(self, looks_alive: int, graceful_until: float) -> None:
+        self.index, self.pid = 0, 4_194_305  # above Linux's largest pid: nobody's
+        self.finished, self.descendants_killed, self.exitcode = False, 0, None
+        self.signals: list[int] = []
+        self._looks_alive, self._graceful_until = looks_alive, graceful_until
+        self._read, self._write = os.pipe()  # a sentinel that never turns readable
+        self.sentinel = self._read
+        self.channel = self.process = self
+
+    def send(self, message: object) -> None:
+        pass
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def exited(self) -> bool:
+        return False
+
+    def gone(self) -> bool:
+        if time.monotonic() < self._graceful_until:
+            return False
+        self._looks_alive -= 1
+        return self._looks_alive < 0
+
+    def signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+    def read_exitcode(self, wait: float = 1.0) -> int | None:
+        return 0
+
+    def close_fds(self) -> None:
+        os.close(self._read)
+        os.close(self._write)
+
+
+@pytest.mark.parametrize("looks_alive", range(6))
+def test_a_worker_exiting_between_two_looks_gets_the_outcome_of_what_was_sent(looks_alive: int) -> None:
+    """However late in a phase a worker exits, its outcome says which signal it needed: none
+    ("graceful"), SIGTERM ("terminated") or SIGKILL ("killed"). (Before, a worker seen alive at
+    the end of the close message's phase and gone at the next look was left without an outcome
+    and reported "killed" although nothing was sent: a CI flake on forkserver.)"""
+    t0, timeout = time.monotonic(), 0.5
+    worker = _ScriptedWorker(looks_alive, t0 + _shutdown.CLOSE_MESSAGE_SHARE * timeout)
+    try:
+        outcome, swept = _shutdown.close_workers(
+            [worker],  # type: ignore[list-item]
+            lambda workers, recent: [],
+            "scripted",
+            "test",
+            t0,
+            timeout,
+        )
+    finally:
+        worker.close_fds()
+    expected = {(): "graceful", (signal.SIGTERM,): "terminated"}
+    sent = tuple(worker.signals)
+    assert outcome.get(0, "killed") == expected.get(sent, "killed"), (outcome, sent)
+    assert swept == 0

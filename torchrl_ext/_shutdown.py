@@ -94,15 +94,16 @@ def close_workers(
         except (OSError, EOFError, ValueError):
             pass
     _wait_exit(workers, graceful_until)
-    for worker in workers:
-        if worker.index not in outcome and worker.gone():
-            outcome[worker.index] = "graceful"
+    #: Each signal, the end of its wait, and the outcome of a worker gone before it is sent.
     escalation: tuple[tuple[int, float, Outcome], ...] = (
-        (signal.SIGTERM, term_until, "terminated"),
-        (signal.SIGKILL, kill_until, "killed"),
+        (signal.SIGTERM, term_until, "graceful"),
+        (signal.SIGKILL, kill_until, "terminated"),
     )
-    for sig, until, name in escalation:
-        pending = [w for w in workers if w.index not in outcome and not w.gone()]
+    for sig, until, before in escalation:
+        # A worker gone before this signal is sent ended of what came before it, however late
+        # in the previous wait it went: one look decides both its outcome and the signal.
+        _settle(outcome, workers, before)
+        pending = [w for w in workers if w.index not in outcome]
         if not pending:
             break
         for worker in pending:
@@ -118,9 +119,7 @@ def close_workers(
             )
             worker.signal(sig)
         _wait_exit(pending, min(deadline, max(until, time.monotonic() + 0.05)))
-        for worker in pending:
-            if worker.gone():
-                outcome[worker.index] = name
+    _settle(outcome, workers, "killed")
     # Sweep: everything recorded, every group member, every tagged process of this env.
     # A worker that had died before the close anchors its group only through a live process
     # of ours in it: its group id may have been recycled by a stranger since.
@@ -145,6 +144,13 @@ def close_workers(
     # our zombies now (NOTE [shutdown order]); collect them before close() returns.
     _identity.reap_if_child(leftovers, wait=min(left(), _identity.ZOMBIE_WAIT))
     return outcome, swept
+
+
+def _settle(outcome: dict[int, Outcome], workers: Sequence[WorkerRecord], name: Outcome) -> None:
+    """Give ``name`` to every worker of ``workers`` that has no outcome yet and is gone now."""
+    for worker in workers:
+        if worker.index not in outcome and worker.gone():
+            outcome[worker.index] = name
 
 
 def _wait_exit(workers: list[WorkerRecord], until: float) -> None:
