@@ -404,3 +404,32 @@ def test_non_posix_import_raises_a_clear_import_error() -> None:
         assert words in out
     assert "torch imported: False" in out  # the check comes before anything else is imported
     assert "then imported: torchrl_ext" in out  # and os.name was the only reason
+
+
+# ------------------------------------------------------------------ the platform surface
+_NO_CHILD_SCRIPT = """
+import subprocess, sys
+started = []
+init = subprocess.Popen.__init__
+def recording(self, args, *rest, **kwargs):
+    started.append(args)
+    init(self, args, *rest, **kwargs)
+subprocess.Popen.__init__ = recording
+from torchrl_ext import _platform
+checks = [_platform.has_prctl(), _platform.has_parent_death_signal(), _platform.has_pidfd(),
+          _platform.is_child_subreaper()]
+print(checks, started)
+sys.exit(1 if started else 0)
+"""
+
+
+def test_platform_checks_start_no_process() -> None:
+    """The capability checks (first calls, in a fresh interpreter) load libc without running a
+    program: a library call made while a worker or a server exits must leave no child (ctypes'
+    ``find_library`` runs ``/sbin/ldconfig``, once seen as a survivor of a main process's exit)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_CHILD_SCRIPT], env=child_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if sys.platform.startswith("linux"):
+        assert proc.stdout.startswith("[True, True,"), proc.stdout  # prctl was found all the same

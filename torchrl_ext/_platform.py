@@ -12,7 +12,6 @@ whether orphans are reaped) is read here too.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import functools
 import os
@@ -66,7 +65,10 @@ def _libc() -> ctypes.CDLL | None:
     if not IS_LINUX:
         return None
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        # The symbols this process has loaded, libc's among them. Not ctypes.util.find_library:
+        # on Linux it runs `/sbin/ldconfig -p`, a child process, wherever it is first called
+        # (a worker exiting, a server stopping: seen as a survivor of the main process's exit).
+        return ctypes.CDLL(None, use_errno=True)
     except OSError:
         return None
 
