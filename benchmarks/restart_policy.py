@@ -259,9 +259,11 @@ def trial_reset_cost(spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         **{key: [] for key in ("recycled_s", "normal_s", "both_s", "plain_s", "odd")},
         "standby_built": [],
+        "standby_prepared": [],
     }
     pids: set[int] = set()
-    # Diagnostics only (private): whether a due slot's standby had built its env before the call.
+    # Diagnostics only (private): whether a due slot's standby had built its env, and reset it
+    # ahead (NOTE [prepared reset]: its answer read, or waiting in its pipe), before the call.
     recycler = env._state.engine.recycler
     try:
         td = env.reset()
@@ -277,6 +279,11 @@ def trial_reset_cost(spec: dict[str, Any]) -> dict[str, Any]:
             td.set("action", env.action_spec.rand())
             before = len(env.restarts)
             built = {s for s, launch in recycler.standby.items() if launch.ready or launch.channel.poll(0)}
+            prepared = {
+                s
+                for s, state in recycler.prepared.items()
+                if state == "answered" or recycler.standby[s].channel.poll(0)
+            }
             t = time.perf_counter()
             nxt, td = env.step_and_maybe_reset(td)
             dt = time.perf_counter() - t
@@ -288,6 +295,7 @@ def trial_reset_cost(spec: dict[str, Any]) -> dict[str, Any]:
                 out["recycled_s" if grew else "normal_s"].append(dt)
                 if grew:
                     out["standby_built"].append(ended[0] in built)
+                    out["standby_prepared"].append(ended[0] in prepared)
             elif len(ended) > 1:
                 out["both_s"].append(dt)
             else:
@@ -564,13 +572,15 @@ def _reset_section(trials: Sequence[dict[str, Any]], args: argparse.Namespace) -
         + f", episode lengths {args.lengths} "
         "steps. Timed: each `step_and_maybe_reset` call in which exactly one slot's episode ended, "
         "with a recycle in it (the old worker steps, the standby started ahead takes the slot and "
-        "resets) or without (the worker steps and resets itself). The standby is started between "
-        "calls, after the boundary at which its slot became due: that cost lands on a call without "
-        "an episode end (the plain-step columns).",
+        "publishes the reset it did ahead) or without (the worker steps and resets itself). The "
+        "standby is started between calls, after the boundary at which its slot became due, and "
+        "resets its env once it is seeded: that cost lands on calls without an episode end (the "
+        "plain-step columns). A standby not built, or not reset, before its call does that in "
+        "the call (last column).",
         "",
         "| trial | recycled calls | normal calls | recycled median | normal median | ratio | extra | "
         "recycled p90 | normal p90 | both ended median | plain step median / max | "
-        "record ready_after median | standby built before the call |",
+        "record ready_after median | standby built / reset ahead before the call |",
         "|" + "---|" * 13,
     ]
     ratios = []
@@ -583,7 +593,8 @@ def _reset_section(trials: Sequence[dict[str, Any]], args: argparse.Namespace) -
             f"{_f(ratio, 3, 'x')} | {_ms(rec - nor)} | {_ms(_quantile(r['recycled_s'], 0.9))} | "
             f"{_ms(_quantile(r['normal_s'], 0.9))} | {_ms(_med(r['both_s']))} | "
             f"{_ms(_med(r['plain_s']))} / {_ms(max(r['plain_s'], default=math.nan))} | "
-            f"{_ms(_med(r['ready_after']))} | {sum(r['standby_built'])}/{len(r['standby_built'])} |"
+            f"{_ms(_med(r['ready_after']))} | {sum(r['standby_built'])} / "
+            f"{sum(r.get('standby_prepared', []))} of {len(r['standby_built'])} |"
         )
     lines.append("")
     pooled_rec = _med([v for r in runs for v in r["recycled_s"]])

@@ -64,6 +64,7 @@ class ToyEnv(EnvBase):
         grow_mb_per_step: int = 0,
         grow_mb_per_reset: int = 0,
         init_gate: str | None = None,
+        record_resets: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(batch_size=torch.Size([]), **kwargs)
@@ -102,6 +103,8 @@ class ToyEnv(EnvBase):
         #: The same at its ``die_once_at_reset``-th reset (in a worker).
         self.die_once_at_reset = die_once_at_reset
         self._resets = 0
+        #: With ``pid_dir``, each reset in a worker records "reset<n>" (its n-th reset).
+        self.record_resets = record_resets
         self.die_flag = die_flag
         #: In a worker, each step records "stepping" (with ``pid_dir``) and then waits until the
         #: file ``step_gate`` exists: the test decides when the step may end.
@@ -205,6 +208,8 @@ class ToyEnv(EnvBase):
         if self.raise_in == "reset":
             raise KeyError("boom in reset")
         self._resets += 1
+        if self.record_resets and self._in_worker():
+            self._record(f"reset{self._resets}", os.getpid())
         if self.grow_mb_per_reset:
             self._kept.append(b"\x01" * (self.grow_mb_per_reset << 20))
         due = self.die_flag and self._resets == self.die_once_at_reset and self._in_worker()

@@ -110,6 +110,54 @@ def test_a_recycled_slot_starts_its_episode_in_the_fresh_env(method: str) -> Non
         env.close()
 
 
+def _resets(pid_dir: Path) -> dict[int, int]:
+    """Per worker pid, how many resets its env has run (``record_resets``)."""
+    counts: dict[int, int] = {}
+    for path in pid_dir.glob("reset*-*"):
+        name, pid, _same = path.name.split("-")
+        counts[int(pid)] = max(counts.get(int(pid), 0), int(name.removeprefix("reset")))
+    return counts
+
+
+@pytest.mark.parametrize("method", STARTS)
+def test_a_standby_resets_its_env_ahead_and_its_turn_uses_that_reset(method: str, tmp_path: Path) -> None:
+    """NOTE [prepared reset]: a ready standby resets its env between calls, before its turn; the
+    slot's plain reset then returns that reset (the fresh env's first episode) without resetting
+    the env again. A reset with kwargs gets the env's own reset with them, after the prepared one."""
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, pid_dir=str(tmp_path), record_resets=True),
+        daemon_workers=False,
+        recycle_every=1,
+        max_restarts=1,  # only for the worker_restarted entry: nothing may be marked
+        **start_kwargs(method),
+    )
+    try:
+        td = env.reset()
+        first = set(env.worker_pids)
+
+        def standbys_reset() -> dict[int, int]:
+            env.state_dict()  # any call: the recycler works between calls
+            return {pid: n for pid, n in _resets(tmp_path).items() if pid not in first}
+
+        wait_until(lambda: len(standbys_reset()) == 2, "both standbys reset their env ahead")
+        ahead = standbys_reset()
+        assert list(ahead.values()) == [1, 1], ahead
+        steps, td = _steps(env, td, 5)  # both episodes end: the standbys take the slots
+        _assert_consistent(steps)
+        assert set(env.worker_pids) == set(ahead)
+        assert torch.equal(td["observation"], FIRST_OBS.expand(2, OBS))  # their envs' first episode
+        assert {pid: _resets(tmp_path)[pid] for pid in ahead} == ahead  # published, not reset again
+        # Due again: the next standbys reset ahead too; a reset with kwargs is their second.
+        wait_until(lambda: len(standbys_reset()) == 4, "the next standbys reset their env ahead")
+        td = env.reset(note="with kwargs")
+        assert set(env.worker_pids).isdisjoint(ahead)
+        assert all(_resets(tmp_path)[pid] == 2 for pid in env.worker_pids)
+        assert torch.equal(td["observation"], (FIRST_OBS + 100).expand(2, OBS))
+    finally:
+        env.close()
+
+
 @pytest.mark.parametrize("method", STARTS)
 def test_recycle_memory_replaces_a_growing_worker_before_its_tree_passes_the_cap(method: str) -> None:
     grow = 16  # MiB per reset

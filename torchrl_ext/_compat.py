@@ -149,6 +149,7 @@ PER_START_KWARGS = tuple(
 WORKER_KWARGS = {
     "env_kwargs": _declare("worker_kwarg", "env_fun_kwargs", "the factory's kwargs; carries our config"),
     "pipe": PER_START_KWARGS[1],
+    "factory": _declare("worker_kwarg", "env_fun", "the env factory; the worker keeps the env it builds"),
     "done_flags": _declare("worker_kwarg", "shm_done_flags", "wrapped to wake the sleeping parent", (0, 11)),
 }
 

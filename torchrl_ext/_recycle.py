@@ -4,12 +4,14 @@ A slot becomes *due* when its worker's tree (it and every descendant) holds more
 ``recycle_memory`` bytes resident, or is about to (its RSS at an episode boundary plus what its
 last episode added), or when the worker has run ``recycle_every`` episodes. Between two calls
 the recycler starts the due slot's next worker ahead of time (a *standby*, supervised from
-birth, touching no shared buffer), has it build its env and seeds it. At the slot's next
+birth, touching no shared buffer), has it build its env, seeds it and has it reset its env
+(NOTE [prepared reset], in ``_worker``: the result is kept in the standby). At the slot's next
 episode boundary the standby takes the slot and the old worker is sent "close":
 
     the slot's next reset              the recycler (env's calling thread)
     ─────────────────────              ───────────────────────────────────
-    "reset" sent to the slot      ──►  promote the standby, send the reset to it
+    "reset" sent to the slot      ──►  promote the standby, send the reset to it (a plain
+                                       one publishes the prepared result)
     "step_and_maybe_reset"        ──►  sent as "step" (no reset in the old worker); if the
                                        step ended the episode, promote the standby, reset it
                                        (its observation is the root's), else nothing
@@ -27,13 +29,14 @@ import dataclasses
 import logging
 import multiprocessing.connection
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._channel import RestartableChannel
 from ._compat import Upstream
 from ._policy import RecycleCause, RestartRecord, replacement_seed
 from ._replace import Launch, Launcher, await_answers, greet, read_answer, send_seed
 from ._supervisor import WorkerSupervisor
+from ._worker import PREPARE_RESET
 
 if TYPE_CHECKING:
     from ._options import Options
@@ -50,7 +53,8 @@ class Recycler:
     current worker; ``due`` holds the slots to recycle at their next boundary and why;
     ``standby`` their next workers once started; ``translated`` the slots whose
     ``step_and_maybe_reset`` in flight was sent as ``step``; ``rss_at`` each slot's tree RSS at
-    its last boundary (``recycle_memory``).
+    its last boundary (``recycle_memory``); ``prepared`` the standbys sent
+    :data:`PREPARE_RESET` (``"sent"``) and those whose answer was read (``"answered"``).
     """
 
     def __init__(self, options: Options, launcher: Launcher) -> None:
@@ -63,6 +67,7 @@ class Recycler:
         self.standby: dict[int, Launch] = {}
         self.translated: set[int] = set()
         self.rss_at: dict[int, int] = {}
+        self.prepared: dict[int, Literal["sent", "answered"]] = {}
         self._seen_samples: object = None
         #: Per standby, the seed it was given (``(seed, static_seed)``; ``None``: never seeded).
         self._standby_seed: dict[int, tuple[int, bool] | None] = {}
@@ -85,16 +90,17 @@ class Recycler:
                 for slot, sample in samples.items():
                     if slot < len(pids) and sample.pid == pids[slot] and sample.rss > self.memory:
                         self.due.setdefault(slot, "memory")
-        return any(slot not in self.standby or not self.standby[slot].ready for slot in self.due)
+        return any(self.prepared.get(slot) != "answered" for slot in self.due)
 
     def prepare(self, env: Upstream, supervisor: WorkerSupervisor, engine: Any) -> None:
-        """Start the due slots' standbys; finish the handshake of those that built their env."""
+        """Start the due slots' standbys; finish the handshake of those that built their env
+        and have them reset it ahead (NOTE [prepared reset]); read the answers that came."""
         for slot in self.due:
             if slot not in self.standby:
                 self._launch(supervisor, slot, engine)
         for launch in list(self.standby.values()):
-            if not launch.ready:
-                self._try_ready(env, supervisor, engine, launch, wait=False)
+            if launch.ready or self._try_ready(env, supervisor, engine, launch, wait=False):
+                self._prepared_reset(supervisor, launch, wait=0.0)
 
     def _launch(self, supervisor: WorkerSupervisor, slot: int, engine: Any) -> None:
         supervisor.forget_report(slot)
@@ -132,16 +138,49 @@ class Recycler:
             if not wait:
                 return False
             multiprocessing.connection.wait([launch.channel, launch.process.sentinel], timeout=0.02)
+        self._drop(supervisor, launch)
+        return False
+
+    def _prepared_reset(self, supervisor: WorkerSupervisor, launch: Launch, wait: float) -> bool:
+        """NOTE [prepared reset]: ask ready ``launch`` to reset its env ahead (once), and read
+        its answer once it came, waiting up to ``wait`` seconds. True once read; False while
+        it is not there yet, or if the standby died or passed ``wait`` (dropped then)."""
+        slot = launch.slot
+        if slot not in self.prepared:
+            launch.channel.send((PREPARE_RESET, None))
+            self.prepared[slot] = "sent"
+        if self.prepared[slot] == "answered":
+            return True
+        deadline = time.monotonic() + wait
+        while not launch.channel.poll(0):
+            if not wait:
+                return False
+            if supervisor.succession.gone(slot) or time.monotonic() >= deadline:
+                self._drop(supervisor, launch)
+                return False
+            multiprocessing.connection.wait([launch.channel, launch.process.sentinel], timeout=0.02)
+        if not read_answer(launch.channel):
+            self._drop(supervisor, launch)
+            return False
+        self.prepared[slot] = "answered"
+        return True
+
+    def _drop(self, supervisor: WorkerSupervisor, launch: Launch) -> None:
+        """``launch`` (a standby) died or is late: kill it; the slot's current worker goes on."""
         log.warning(
             "%s could not start slot %d's next worker (pid %s) for recycling; its current worker "
             "goes on, and another is started at the next call",
             supervisor.label,
-            slot,
+            launch.slot,
             launch.process.pid,
         )
-        self.standby.pop(slot, None)
-        supervisor.succession.discard(slot)
-        return False
+        self._forget_standby(supervisor, launch.slot)
+
+    def _forget_standby(self, supervisor: WorkerSupervisor, slot: int) -> None:
+        """Slot ``slot``'s standby, if any, is killed and forgotten."""
+        self.prepared.pop(slot, None)
+        if self.standby.pop(slot, None) is not None:
+            supervisor.succession.discard(slot)
 
     # ------------------------------------------------------------------ boundaries
     def route(self, env: Upstream, supervisor: WorkerSupervisor, engine: Any, slot: int, message: Any) -> Any:
@@ -201,10 +240,14 @@ class Recycler:
                     self.due.setdefault(slot, "memory")
 
     def _standby_ready(self, env: Upstream, supervisor: WorkerSupervisor, engine: Any, slot: int) -> bool:
+        """Whether slot ``slot``'s standby can take the slot now: its prepared reset awaited, or
+        (not built before the boundary) its handshake, its reset then being the slot's own."""
         launch = self.standby.get(slot)
-        return launch is not None and (
-            launch.ready or self._try_ready(env, supervisor, engine, launch, wait=True)
-        )
+        if launch is None:
+            return False
+        if not launch.ready:
+            return self._try_ready(env, supervisor, engine, launch, wait=True)
+        return self._prepared_reset(supervisor, launch, wait=engine.answer_limit(env))
 
     def _swap(
         self, env: Upstream, supervisor: WorkerSupervisor, engine: Any, slot: int, command: str, t0: float
@@ -213,6 +256,7 @@ class Recycler:
         one has answered its first reset: the two do not share the cores meanwhile). Returns
         the new channel."""
         launch = self.standby.pop(slot)
+        self.prepared.pop(slot, None)
         cause = self.due.pop(slot)
         old_pid = supervisor.pids()[slot]
         new, old = supervisor.promote(slot, self.options.shutdown_timeout)
@@ -256,8 +300,7 @@ class Recycler:
         pending = self._records.pop(slot, None)
         if pending is not None:
             pending[3].send(("close", None))  # the retired worker: its successor was lost
-        if self.standby.pop(slot, None) is not None:
-            supervisor.succession.discard(slot)
+        self._forget_standby(supervisor, slot)
 
 
 def _episode_ended(owner: Upstream, slot: int) -> bool:

@@ -20,6 +20,7 @@ import multiprocessing.util
 import os
 import signal
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,10 @@ log = logging.getLogger("torchrl_ext")
 
 #: Grace given to a worker's own descendants after a normal close before SIGKILL.
 CHILD_GRACE = 1.0
+#: The recycler's command to a standby, answered by this module and never seen by TorchRL's
+#: loop: reset the env now, ahead of the slot's turn (NOTE [prepared reset]). The answer is
+#: ``(PREPARE_RESET, True)``, or ``False`` when the env raised (its turn resets it again).
+PREPARE_RESET = "torchrl_ext.prepare_reset"
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,9 @@ class _CommandRecorder:
         self.last_command: str | None = None
         self.saw_eof = False
         self._built_path = built_path
+        #: The env TorchRL's loop built in this worker, weakly (:meth:`keep`): the loop's
+        #: ``del env`` at close must still drop the last reference.
+        self._env: Callable[[], Any] = lambda: None
         # Bound once: the worker loop polls before every command (no __getattr__ per step).
         self.poll = conn.poll
         self.send: Callable[[Any], None] = self._first_send
@@ -78,17 +86,83 @@ class _CommandRecorder:
         self._conn.send(obj)
 
     def recv(self) -> Any:
-        try:
-            msg = self._conn.recv()
-        except EOFError:
-            self.saw_eof = True
-            raise
-        if isinstance(msg, tuple) and msg and isinstance(msg[0], str):
-            self.last_command = msg[0]
-        return msg
+        while True:
+            try:
+                msg = self._conn.recv()
+            except EOFError:
+                self.saw_eof = True
+                raise
+            if isinstance(msg, tuple) and msg and isinstance(msg[0], str):
+                if msg[0] == PREPARE_RESET:  # ours: answered here, the loop waits for the next
+                    self._conn.send((PREPARE_RESET, _PreparedReset.prepare(self._env())))
+                    continue
+                self.last_command = msg[0]
+            return msg
+
+    def keep(self, env: Any) -> None:
+        """Remember ``env`` (weakly) for a prepared reset."""
+        with contextlib.suppress(TypeError):  # no weak reference to it: nothing prepared
+            self._env = weakref.ref(env)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._conn, name)
+
+
+class _KeepsEnv:
+    """Stands in for the env factory in TorchRL's loop: builds the env as the loop would (same
+    callable, same kwargs) and has the recorder keep it, for a prepared reset."""
+
+    __slots__ = ("_factory", "_recorder")
+
+    def __init__(self, factory: Callable[..., Any], recorder: _CommandRecorder) -> None:
+        self._factory = factory
+        self._recorder = recorder
+
+    def __call__(self, **kwargs: Any) -> Any:
+        env = self._factory(**kwargs)
+        self._recorder.keep(env)
+        return env
+
+
+class _PreparedReset:
+    """NOTE [prepared reset]: a recycled slot's next worker resets its env while the old one
+    still runs the slot's last episode, and its turn only publishes that result.
+
+    The recycler sends a standby :data:`PREPARE_RESET` once it is seeded. The env is reset
+    then, exactly as the slot's reset would do it (``env.reset()``, no input, no kwargs), and
+    this object stands in for the env's ``reset`` (in the instance ``__dict__``) for one call:
+    TorchRL's loop, sent the slot's reset, runs its own code (the shared buffers, the done
+    flag) around the result kept here. A reset with an input or kwargs gets the env's own
+    reset with them, after the prepared one. Once called, the env's own method is back.
+    """
+
+    __slots__ = ("_env", "_result")
+
+    def __init__(self, env: Any, result: Any) -> None:
+        self._env = weakref.ref(env)  # it sits in the env's __dict__: no reference cycle
+        self._result = result
+
+    @classmethod
+    def prepare(cls, env: Any) -> bool:
+        """Reset ``env`` now and keep the result for its next plain reset; False if it raised
+        (nothing is kept: the next reset is the env's own, which raises as it will)."""
+        if env is None or "reset" in env.__dict__:
+            return False
+        try:
+            result = env.reset()
+        except Exception:
+            log.debug("prepared reset failed; the slot's reset will reset the env itself", exc_info=True)
+            return False
+        env.__dict__["reset"] = cls(env, result)
+        return True
+
+    def __call__(self, tensordict: Any = None, **kwargs: Any) -> Any:
+        env = self._env()
+        assert env is not None  # it is the env's own attribute being called
+        env.__dict__.pop("reset", None)
+        if tensordict is None and not kwargs:
+            return self._result
+        return env.reset(tensordict, **kwargs)
 
 
 class _FlagsKeptAtClose:
@@ -180,7 +254,7 @@ def end_own_descendants() -> None:
 
 def run_managed(original: Callable[..., Any], config: WorkerConfig, kwargs: dict[str, Any]) -> None:
     """Prepare this worker process, then run TorchRL's worker loop ``original`` in it."""
-    from torchrl.envs import batched_envs
+    from torchrl.envs import EnvBase, batched_envs
 
     from ._compat import GC_NAME, WORKER_KWARGS  # _compat imports this module
 
@@ -192,6 +266,12 @@ def run_managed(original: Callable[..., Any], config: WorkerConfig, kwargs: dict
         kwargs[flags_key] = NotifyingFlags(kwargs[flags_key], config.done_fifo)
     recorder = _CommandRecorder(kwargs[pipe_key], _stacks.built_path(config.report_path))
     kwargs[pipe_key] = recorder
+    factory_key = WORKER_KWARGS["factory"]
+    factory = kwargs[factory_key]
+    if isinstance(factory, EnvBase):  # TorchRL's loop uses an env passed itself as is
+        recorder.keep(factory)
+    else:
+        kwargs[factory_key] = _KeepsEnv(factory, recorder)
     if kwargs.get(flags_key) is not None:
         kwargs[flags_key] = _FlagsKeptAtClose(kwargs[flags_key], recorder)
     if getattr(batched_envs, GC_NAME, None) is gc:  # this process runs only this worker's loop
