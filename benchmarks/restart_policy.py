@@ -689,8 +689,22 @@ def _parallel_section(
     return lines, targets
 
 
+def _shown_args(argv: Sequence[str]) -> list[str]:
+    """The command line's options that change the measurement (not where it is written)."""
+    shown: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif not arg.startswith(("--out=", "--no-progress")):
+            shown.append(arg)
+    return shown
+
+
 def build_markdown(trials: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    cmd = f"python benchmarks/restart_policy.py{' --quick' if args.quick else ''}"
+    cmd = " ".join(["python benchmarks/restart_policy.py", *_shown_args(sys.argv[1:])])
     lines = [
         f"# Restart policy: recycling and parallel replacement{' (--quick)' if args.quick else ''}",
         "",
