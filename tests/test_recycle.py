@@ -243,6 +243,42 @@ def test_a_standby_that_dies_while_it_builds_its_env_leaves_the_old_worker_runni
         env.close()
 
 
+@pytest.mark.parametrize("method", STARTS)
+def test_a_standby_that_dies_in_its_prepared_reset_leaves_the_old_worker_running(
+    method: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NOTE [prepared reset]: a standby SIGKILLed while it resets its env ahead is dropped with
+    a warning; the old worker keeps its slot and resets its env itself; nothing is lost."""
+    flag = tmp_path / "died"
+    flag.touch()  # disarmed while the first workers reset
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, die_once_at_reset=1, die_flag=str(flag), pid_dir=str(tmp_path)),
+        daemon_workers=False,
+        recycle_every=1,
+        **start_kwargs(method),
+    )
+    caplog.set_level(logging.WARNING, logger="torchrl_ext")
+    try:
+        td = env.reset()
+        first = set(env.worker_pids)
+        flag.unlink()  # armed: the next env's first reset (a standby's, ahead) dies, once
+
+        def a_standby_died() -> bool:
+            env.state_dict()  # any call: the recycler works between calls
+            return "could not start slot" in caplog.text
+
+        wait_until(a_standby_died, "a standby killed in its prepared reset is dropped")
+        assert int(flag.read_text()) not in first  # it was a standby that died
+        assert set(env.worker_pids) == first  # the old workers go on
+        steps, td = _steps(env, td, 15)
+        _assert_consistent_plain(steps)
+        assert env.restarts and all(r.recycled for r in env.restarts)  # the next standbys worked
+        assert env.stats()["deaths"] == 0
+    finally:
+        env.close()
+
+
 def _assert_consistent_plain(steps: list[Any]) -> None:
     for step in steps:
         assert torch.equal(step["next", "observation"], step["observation"] + 1)
