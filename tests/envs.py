@@ -327,6 +327,17 @@ def make_env(**kwargs: Any) -> ToyEnv:
     return ToyEnv(**kwargs)
 
 
+class SetStateEnv(ToyEnv):
+    """A ToyEnv that says it supports ``set_state`` (TorchRL >= 0.14 then passes its workers'
+    resets ``set_state=False``; older releases ignore the attribute)."""
+
+    _supports_set_state = True
+
+
+def make_set_state_env(**kwargs: Any) -> SetStateEnv:
+    return SetStateEnv(**kwargs)
+
+
 class NoiseEnv(ToyEnv):
     """A ToyEnv whose observations are torch random draws: its data depends on the worker's
     seed (``set_seed`` seeds torch in the worker), nothing else."""

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.conftest import start_kwargs
-from tests.envs import OBS, make_env
+from tests.envs import OBS, make_env, make_set_state_env
 from tests.polling import wait_until
 from torchrl_ext import ManagedParallelEnv
 from torchrl_ext._policy import parse_bytes
@@ -119,6 +119,18 @@ def _resets(pid_dir: Path) -> dict[int, int]:
     return counts
 
 
+def _resets_ahead(env: ManagedParallelEnv, pid_dir: Path, first: set[int], count: int) -> dict[int, int]:
+    """Once ``count`` workers other than ``first`` have reset their env (polled, with a call to
+    the env each time: the recycler works between calls), their reset counts by pid."""
+
+    def found() -> dict[int, int]:
+        env.state_dict()  # any call
+        return {pid: n for pid, n in _resets(pid_dir).items() if pid not in first}
+
+    wait_until(lambda: len(found()) >= count, f"{count} standby(s) reset their env ahead")
+    return found()
+
+
 @pytest.mark.parametrize("method", STARTS)
 def test_a_standby_resets_its_env_ahead_and_its_turn_uses_that_reset(method: str, tmp_path: Path) -> None:
     """NOTE [prepared reset]: a ready standby resets its env between calls, before its turn; the
@@ -135,13 +147,7 @@ def test_a_standby_resets_its_env_ahead_and_its_turn_uses_that_reset(method: str
     try:
         td = env.reset()
         first = set(env.worker_pids)
-
-        def standbys_reset() -> dict[int, int]:
-            env.state_dict()  # any call: the recycler works between calls
-            return {pid: n for pid, n in _resets(tmp_path).items() if pid not in first}
-
-        wait_until(lambda: len(standbys_reset()) == 2, "both standbys reset their env ahead")
-        ahead = standbys_reset()
+        ahead = _resets_ahead(env, tmp_path, first, 2)
         assert list(ahead.values()) == [1, 1], ahead
         steps, td = _steps(env, td, 5)  # both episodes end: the standbys take the slots
         _assert_consistent(steps)
@@ -149,13 +155,64 @@ def test_a_standby_resets_its_env_ahead_and_its_turn_uses_that_reset(method: str
         assert torch.equal(td["observation"], FIRST_OBS.expand(2, OBS))  # their envs' first episode
         assert {pid: _resets(tmp_path)[pid] for pid in ahead} == ahead  # published, not reset again
         # Due again: the next standbys reset ahead too; a reset with kwargs is their second.
-        wait_until(lambda: len(standbys_reset()) == 4, "the next standbys reset their env ahead")
+        _resets_ahead(env, tmp_path, first, 4)
         td = env.reset(note="with kwargs")
         assert set(env.worker_pids).isdisjoint(ahead)
         assert all(_resets(tmp_path)[pid] == 2 for pid in env.worker_pids)
         assert torch.equal(td["observation"], (FIRST_OBS + 100).expand(2, OBS))
     finally:
         env.close()
+
+
+@pytest.mark.parametrize("method", STARTS)
+def test_a_plain_reset_uses_the_prepared_one_for_an_env_that_supports_set_state(
+    method: str, tmp_path: Path
+) -> None:
+    """TorchRL >= 0.14 passes ``set_state=False`` to the workers' resets of an env that supports
+    it: still a plain reset, which publishes the prepared one (the env is reset once)."""
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_set_state_env, pid_dir=str(tmp_path), record_resets=True),
+        daemon_workers=False,
+        recycle_every=1,
+        **start_kwargs(method),
+    )
+    try:
+        env.reset()
+        ahead = _resets_ahead(env, tmp_path, set(env.worker_pids), 2)
+        td = env.reset()  # both slots are due: their standbys take them
+        assert set(env.worker_pids) == set(ahead)
+        assert torch.equal(td["observation"], FIRST_OBS.expand(2, OBS))
+        assert {pid: _resets(tmp_path)[pid] for pid in ahead} == ahead == dict.fromkeys(ahead, 1)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("method", STARTS)
+def test_an_env_reopened_after_close_recycles_afresh(method: str, tmp_path: Path) -> None:
+    """Closed with its standbys reset ahead, the env starts again at its next call (as upstream
+    does): new workers, recycling from the start, every transition a real one."""
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, pid_dir=str(tmp_path), record_resets=True),
+        daemon_workers=False,
+        recycle_every=1,
+        max_restarts=1,  # only for the worker_restarted entry: nothing may be marked
+        **start_kwargs(method),
+    )
+    try:
+        env.reset()
+        _resets_ahead(env, tmp_path, set(env.worker_pids), 2)
+        env.close()
+        td = env.reset()  # a new start
+        reopened = set(env.worker_pids)
+        assert torch.equal(td["observation"], FIRST_OBS.expand(2, OBS))
+        steps, td = _steps(env, td, 5)  # the episodes end: each slot is recycled
+        _assert_consistent(steps)
+        assert set(env.worker_pids).isdisjoint(reopened)
+        assert torch.equal(td["observation"], FIRST_OBS.expand(2, OBS))
+    finally:
+        env.close(raise_if_closed=False)
 
 
 @pytest.mark.parametrize("method", STARTS)

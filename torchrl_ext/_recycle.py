@@ -75,6 +75,19 @@ class Recycler:
         #: label to log, and the old worker's channel (sent "close" once that reset is answered).
         self._records: dict[int, tuple[RestartRecord, float, str, RestartableChannel]] = {}
 
+    def forget(self) -> None:
+        """At close: every slot's count, due cause, standby and pending record is dropped (the
+        supervisor's shutdown ended the standbys); a reopened env starts recycling over."""
+        self.episodes.clear()
+        self.due.clear()
+        self.standby.clear()
+        self.translated.clear()
+        self.rss_at.clear()
+        self.prepared.clear()
+        self._seen_samples = None
+        self._standby_seed.clear()
+        self._records.clear()
+
     @property
     def on(self) -> bool:
         return self.memory is not None or self.every is not None

@@ -129,11 +129,12 @@ class _PreparedReset:
     still runs the slot's last episode, and its turn only publishes that result.
 
     The recycler sends a standby :data:`PREPARE_RESET` once it is seeded. The env is reset
-    then, exactly as the slot's reset would do it (``env.reset()``, no input, no kwargs), and
+    then, exactly as the slot's reset would do it (``env.reset()``: no input, no kwargs), and
     this object stands in for the env's ``reset`` (in the instance ``__dict__``) for one call:
     TorchRL's loop, sent the slot's reset, runs its own code (the shared buffers, the done
-    flag) around the result kept here. A reset with an input or kwargs gets the env's own
-    reset with them, after the prepared one. Once called, the env's own method is back.
+    flag) around the result kept here. A reset with an input or kwargs (but a false
+    ``set_state``) gets the env's own reset with them, after the prepared one. Once called, the
+    env's own method is back.
     """
 
     __slots__ = ("_env", "_result")
@@ -160,9 +161,16 @@ class _PreparedReset:
         env = self._env()
         assert env is not None  # it is the env's own attribute being called
         env.__dict__.pop("reset", None)
-        if tensordict is None and not kwargs:
+        if _is_plain_reset(tensordict, kwargs):
             return self._result
         return env.reset(tensordict, **kwargs)
+
+
+def _is_plain_reset(tensordict: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``env.reset(tensordict, **kwargs)`` is the one a prepared reset did: no input
+    and no kwargs but a false ``set_state`` (what TorchRL >= 0.14's ``ParallelEnv`` passes the
+    workers of an env that supports it, and what such an env resolves no input to anyway)."""
+    return tensordict is None and all(key == "set_state" and not value for key, value in kwargs.items())
 
 
 class _FlagsKeptAtClose:
