@@ -165,6 +165,29 @@ def test_a_standby_resets_its_env_ahead_and_its_turn_uses_that_reset(method: str
 
 
 @pytest.mark.parametrize("method", STARTS)
+def test_a_standby_started_by_the_call_of_its_turn_still_resets_ahead(method: str, tmp_path: Path) -> None:
+    """A standby started by the very call that is its slot's boundary (it had no time to get
+    ready) is built and reset ahead all the same before it gets the slot's reset: a reset with
+    kwargs is its env's second, as for a standby ready in time (data never depends on timing)."""
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, pid_dir=str(tmp_path), record_resets=True),
+        daemon_workers=False,
+        recycle_every=1,
+        **start_kwargs(method),
+    )
+    try:
+        env.reset()  # both slots are due from now on
+        first = set(env.worker_pids)
+        td = env.reset(note="with kwargs")  # starts the standbys, then gives them the slots
+        assert set(env.worker_pids).isdisjoint(first)
+        assert all(_resets(tmp_path)[pid] == 2 for pid in env.worker_pids)
+        assert torch.equal(td["observation"], (FIRST_OBS + 100).expand(2, OBS))
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("method", STARTS)
 def test_a_plain_reset_uses_the_prepared_one_for_an_env_that_supports_set_state(
     method: str, tmp_path: Path
 ) -> None:

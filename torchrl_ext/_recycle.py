@@ -253,13 +253,15 @@ class Recycler:
                     self.due.setdefault(slot, "memory")
 
     def _standby_ready(self, env: Upstream, supervisor: WorkerSupervisor, engine: Any, slot: int) -> bool:
-        """Whether slot ``slot``'s standby can take the slot now: its prepared reset awaited, or
-        (not built before the boundary) its handshake, its reset then being the slot's own."""
+        """Whether slot ``slot``'s standby can take the slot now: its handshake (if it was not
+        built before the boundary) and its prepared reset awaited. Every standby's env is reset
+        ahead, late or not, so that the slot's data never depends on when it got ready (a
+        reset with an input is the env's second either way)."""
         launch = self.standby.get(slot)
         if launch is None:
             return False
-        if not launch.ready:
-            return self._try_ready(env, supervisor, engine, launch, wait=True)
+        if not launch.ready and not self._try_ready(env, supervisor, engine, launch, wait=True):
+            return False
         return self._prepared_reset(supervisor, launch, wait=engine.answer_limit(env))
 
     def _swap(
