@@ -316,7 +316,8 @@ def test_a_standby_that_dies_while_it_builds_its_env_leaves_the_old_worker_runni
         flag.touch()  # the next worker built dies in its factory, once
         steps, td = _steps(env, td, 15)
         _assert_consistent_plain(steps)
-        assert "could not start slot" in caplog.text
+        # The warning says which phase failed and how: the factory SIGKILLed itself.
+        assert "exited with exit code SIGKILL(-9) before it could build its env" in caplog.text
         assert env.restarts  # the next standby worked
         assert env.stats()["deaths"] == 0
     finally:
@@ -349,7 +350,47 @@ def test_a_standby_that_dies_in_its_prepared_reset_leaves_the_old_worker_running
             return "could not start slot" in caplog.text
 
         wait_until(a_standby_died, "a standby killed in its prepared reset is dropped")
+        assert "exited with exit code SIGKILL(-9) before it could reset its env ahead" in caplog.text
         assert int(flag.read_text()) not in first  # it was a standby that died
+        assert set(env.worker_pids) == first  # the old workers go on
+        steps, td = _steps(env, td, 15)
+        _assert_consistent_plain(steps)
+        assert env.restarts and all(r.recycled for r in env.restarts)  # the next standbys worked
+        assert env.stats()["deaths"] == 0
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("method", STARTS)
+def test_a_standby_that_does_not_build_its_env_within_start_timeout_is_dropped(
+    method: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``start_timeout`` bounds a standby's env construction too: one whose factory hangs is
+    killed at the limit, with a warning that names it; the old worker keeps its slot, the next
+    standby is started afresh, and nothing is lost."""
+    gate = str(tmp_path / "gate")  # never created: a factory held at it hangs
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, init_gate=gate, pid_dir=str(tmp_path)),
+        daemon_workers=False,
+        recycle_every=1,
+        start_timeout=3.0,
+        **start_kwargs(method),
+    )
+    caplog.set_level(logging.WARNING, logger="torchrl_ext")
+    try:
+        td = env.reset()
+        first = set(env.worker_pids)
+        Path(gate + ".once").touch()  # the next worker built hangs in its factory, once
+
+        def dropped() -> bool:
+            env.state_dict()  # any call: the recycler works between calls
+            return "did not build its env within start_timeout=3s" in caplog.text
+
+        wait_until(dropped, "a standby hung in its factory is dropped at start_timeout")
+        hung = [int(f.read_text()) for f in tmp_path.glob("building-*")]
+        assert len(hung) == 1 and hung[0] not in first  # it was a standby that hung
+        assert not _running(hung[0])  # killed (and reaped) when it was dropped
         assert set(env.worker_pids) == first  # the old workers go on
         steps, td = _steps(env, td, 15)
         _assert_consistent_plain(steps)

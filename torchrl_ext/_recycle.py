@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ._channel import RestartableChannel
 from ._compat import Upstream
+from ._errors import format_exitcode
 from ._policy import RecycleCause, RestartRecord, replacement_seed
 from ._replace import Launch, Launcher, await_answers, greet, read_answer, send_seed
 from ._supervisor import WorkerSupervisor
@@ -135,30 +136,43 @@ class Recycler:
         slot = launch.slot
         limit = self.options.start_timeout
         deadline = launch.launched_at + (limit if limit is not None else float("inf"))
+        late: str | None = None
         while True:
             if launch.channel.poll(0):
                 if not greet(launch):
+                    phase = "build its env"
                     break
                 seed = self._standby_seed.get(slot)
                 if seed is not None:
                     send_seed(launch, *seed)
-                    if not launch.channel.poll(engine.answer_limit(env)) or not read_answer(launch.channel):
+                    phase = "answer its seed"
+                    if not launch.channel.poll(engine.answer_limit(env)):
+                        late = _bound(engine, env)
+                    if late is not None or not read_answer(launch.channel):
                         launch.ready = False
                         break
                 return True
-            if supervisor.succession.gone(slot) or time.monotonic() >= deadline:
+            phase = "build its env"
+            if supervisor.succession.gone(slot):
+                break
+            if time.monotonic() >= deadline:
+                late = f"start_timeout={limit:g}s"
                 break
             if not wait:
                 return False
             multiprocessing.connection.wait([launch.channel, launch.process.sentinel], timeout=0.02)
-        self._drop(supervisor, launch)
+        self._drop(supervisor, launch, phase, late)
         return False
 
-    def _prepared_reset(self, supervisor: WorkerSupervisor, launch: Launch, wait: float) -> bool:
+    def _prepared_reset(
+        self, supervisor: WorkerSupervisor, launch: Launch, wait: float, bound: str = ""
+    ) -> bool:
         """NOTE [prepared reset]: ask ready ``launch`` to reset its env ahead (once), and read
-        its answer once it came, waiting up to ``wait`` seconds. True once read; False while
-        it is not there yet, or if the standby died or passed ``wait`` (dropped then)."""
+        its answer once it came, waiting up to ``wait`` seconds (``bound`` names that limit).
+        True once read; False while it is not there yet, or if the standby died or passed
+        ``wait`` (dropped then)."""
         slot = launch.slot
+        phase = "reset its env ahead"
         if slot not in self.prepared:
             launch.channel.send((PREPARE_RESET, None))
             self.prepared[slot] = "sent"
@@ -168,24 +182,37 @@ class Recycler:
         while not launch.channel.poll(0):
             if not wait:
                 return False
-            if supervisor.succession.gone(slot) or time.monotonic() >= deadline:
-                self._drop(supervisor, launch)
+            if supervisor.succession.gone(slot):
+                self._drop(supervisor, launch, phase)
+                return False
+            if time.monotonic() >= deadline:
+                self._drop(supervisor, launch, phase, bound or f"{wait:g}s")
                 return False
             multiprocessing.connection.wait([launch.channel, launch.process.sentinel], timeout=0.02)
         if not read_answer(launch.channel):
-            self._drop(supervisor, launch)
+            self._drop(supervisor, launch, phase)
             return False
         self.prepared[slot] = "answered"
         return True
 
-    def _drop(self, supervisor: WorkerSupervisor, launch: Launch) -> None:
-        """``launch`` (a standby) died or is late: kill it; the slot's current worker goes on."""
+    def _drop(
+        self, supervisor: WorkerSupervisor, launch: Launch, phase: str, late: str | None = None
+    ) -> None:
+        """``launch`` (a standby) exited before it could do ``phase``, or did not do it within
+        ``late`` (the limit, named): kill it; the slot's current worker goes on. The warning
+        says which, with the exit code of one that exited."""
+        if late is not None:
+            why = f"it did not {phase} within {late}"
+        else:
+            code = supervisor.succession.exitcode(launch.slot)
+            why = f"it exited with exit code {format_exitcode(code)} before it could {phase}"
         log.warning(
-            "%s could not start slot %d's next worker (pid %s) for recycling; its current worker "
-            "goes on, and another is started at the next call",
+            "%s could not start slot %d's next worker (pid %s) for recycling: %s; its current "
+            "worker goes on, and another is started at the next call",
             supervisor.label,
             launch.slot,
             launch.process.pid,
+            why,
         )
         self._forget_standby(supervisor, launch.slot)
 
@@ -262,7 +289,7 @@ class Recycler:
             return False
         if not launch.ready and not self._try_ready(env, supervisor, engine, launch, wait=True):
             return False
-        return self._prepared_reset(supervisor, launch, wait=engine.answer_limit(env))
+        return self._prepared_reset(supervisor, launch, engine.answer_limit(env), _bound(engine, env))
 
     def _swap(
         self, env: Upstream, supervisor: WorkerSupervisor, engine: Any, slot: int, command: str, t0: float
@@ -316,6 +343,16 @@ class Recycler:
         if pending is not None:
             pending[3].send(("close", None))  # the retired worker: its successor was lost
         self._forget_standby(supervisor, slot)
+
+
+def _bound(engine: Any, env: Upstream) -> str:
+    """The limit on one answer (``RestartEngine.answer_limit``), as the warning names it."""
+    limit = engine.answer_limit(env)
+    return (
+        f"step_timeout={limit:g}s"
+        if engine.options.step_timeout is not None
+        else f"{limit:g}s (TorchRL's pipe_timeout)"
+    )
 
 
 def _episode_ended(owner: Upstream, slot: int) -> bool:

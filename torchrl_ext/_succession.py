@@ -46,6 +46,14 @@ class Succession:
             worker = self.standby.get(index)
         return worker is None or worker.exited() or worker.gone()
 
+    def exitcode(self, index: int, wait: float = 1.0) -> int | None:
+        """Slot ``index``'s standby's exit code once it exited (polled up to ``wait`` seconds:
+        its pipe closes a moment before its status can be collected); ``None`` if it has not
+        exited by then, or there is none."""
+        with self._lock:
+            worker = self.standby.get(index)
+        return None if worker is None else worker.read_exitcode(wait)
+
     def discard(self, index: int) -> None:
         """Kill slot ``index``'s standby and its tree, and reap it."""
         with self._lock:
