@@ -345,18 +345,14 @@ def test_a_standby_that_dies_in_its_prepared_reset_leaves_the_old_worker_running
         first = set(env.worker_pids)
         flag.unlink()  # armed: the next env's first reset (a standby's, ahead) dies, once
 
-        def a_standby_died() -> bool:
-            env.state_dict()  # any call: the recycler works between calls
-            return "could not start slot" in caplog.text
-
-        wait_until(a_standby_died, "a standby killed in its prepared reset is dropped")
-        assert "exited with exit code SIGKILL(-9) before it could reset its env ahead" in caplog.text
+        _await_drop(
+            env,
+            caplog,
+            "exited with exit code SIGKILL(-9) before it could reset its env ahead",
+            "a standby killed in its prepared reset is dropped",
+        )
         assert int(flag.read_text()) not in first  # it was a standby that died
-        assert set(env.worker_pids) == first  # the old workers go on
-        steps, td = _steps(env, td, 15)
-        _assert_consistent_plain(steps)
-        assert env.restarts and all(r.recycled for r in env.restarts)  # the next standbys worked
-        assert env.stats()["deaths"] == 0
+        _assert_the_old_workers_go_on(env, td, first)
     finally:
         env.close()
 
@@ -383,21 +379,39 @@ def test_a_standby_that_does_not_build_its_env_within_start_timeout_is_dropped(
         first = set(env.worker_pids)
         Path(gate + ".once").touch()  # the next worker built hangs in its factory, once
 
-        def dropped() -> bool:
-            env.state_dict()  # any call: the recycler works between calls
-            return "did not build its env within start_timeout=3s" in caplog.text
-
-        wait_until(dropped, "a standby hung in its factory is dropped at start_timeout")
+        _await_drop(
+            env,
+            caplog,
+            "did not build its env within start_timeout=3s",
+            "a standby hung in its factory is dropped at start_timeout",
+        )
         hung = [int(f.read_text()) for f in tmp_path.glob("building-*")]
         assert len(hung) == 1 and hung[0] not in first  # it was a standby that hung
         assert not _running(hung[0])  # killed (and reaped) when it was dropped
-        assert set(env.worker_pids) == first  # the old workers go on
-        steps, td = _steps(env, td, 15)
-        _assert_consistent_plain(steps)
-        assert env.restarts and all(r.recycled for r in env.restarts)  # the next standbys worked
-        assert env.stats()["deaths"] == 0
+        _assert_the_old_workers_go_on(env, td, first)
     finally:
         env.close()
+
+
+def _await_drop(env: ManagedParallelEnv, caplog: pytest.LogCaptureFixture, phrase: str, what: str) -> None:
+    """Call the env (any call: the recycler works between calls) until a dropped standby's
+    warning with ``phrase`` is logged."""
+
+    def logged() -> bool:
+        env.state_dict()
+        return phrase in caplog.text
+
+    wait_until(logged, what)
+
+
+def _assert_the_old_workers_go_on(env: ManagedParallelEnv, td: Any, first: set[int]) -> None:
+    """After a standby was dropped: the old workers keep their slots, every transition is a
+    real one, the next standbys take over, and no death is counted."""
+    assert set(env.worker_pids) == first
+    steps, _ = _steps(env, td, 15)
+    _assert_consistent_plain(steps)
+    assert env.restarts and all(r.recycled for r in env.restarts)
+    assert env.stats()["deaths"] == 0
 
 
 def _assert_consistent_plain(steps: list[Any]) -> None:
