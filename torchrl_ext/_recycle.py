@@ -46,6 +46,9 @@ __all__ = ["Recycler"]
 
 log = logging.getLogger("torchrl_ext")
 
+#: The phase of a standby's NOTE [prepared reset], as a dropped standby's warning names it.
+_PREPARE = "reset its env ahead"
+
 
 class Recycler:
     """What one env does to recycle its workers (see the module docstring).
@@ -114,7 +117,7 @@ class Recycler:
                 self._launch(supervisor, slot, engine)
         for launch in list(self.standby.values()):
             if launch.ready or self._try_ready(env, supervisor, engine, launch, wait=False):
-                self._prepared_reset(supervisor, launch, wait=0.0)
+                self._prepared_reset(supervisor, launch)
 
     def _launch(self, supervisor: WorkerSupervisor, slot: int, engine: Any) -> None:
         supervisor.forget_report(slot)
@@ -136,23 +139,21 @@ class Recycler:
         slot = launch.slot
         limit = self.options.start_timeout
         deadline = launch.launched_at + (limit if limit is not None else float("inf"))
-        late: str | None = None
+        phase, late = "build its env", None
         while True:
             if launch.channel.poll(0):
                 if not greet(launch):
-                    phase = "build its env"
                     break
                 seed = self._standby_seed.get(slot)
                 if seed is not None:
                     send_seed(launch, *seed)
                     phase = "answer its seed"
                     if not launch.channel.poll(engine.answer_limit(env)):
-                        late = _bound(engine, env)
+                        late = engine.answer_bound(env)
                     if late is not None or not read_answer(launch.channel):
                         launch.ready = False
                         break
                 return True
-            phase = "build its env"
             if supervisor.succession.gone(slot):
                 break
             if time.monotonic() >= deadline:
@@ -164,35 +165,44 @@ class Recycler:
         self._drop(supervisor, launch, phase, late)
         return False
 
-    def _prepared_reset(
-        self, supervisor: WorkerSupervisor, launch: Launch, wait: float, bound: str = ""
-    ) -> bool:
+    def _prepared_reset(self, supervisor: WorkerSupervisor, launch: Launch) -> bool:
         """NOTE [prepared reset]: ask ready ``launch`` to reset its env ahead (once), and read
-        its answer once it came, waiting up to ``wait`` seconds (``bound`` names that limit).
-        True once read; False while it is not there yet, or if the standby died or passed
-        ``wait`` (dropped then)."""
+        its answer if it came (no wait). True once read; False while it is not there yet, or
+        if the standby died (dropped then)."""
         slot = launch.slot
-        phase = "reset its env ahead"
         if slot not in self.prepared:
             launch.channel.send((PREPARE_RESET, None))
             self.prepared[slot] = "sent"
         if self.prepared[slot] == "answered":
             return True
-        deadline = time.monotonic() + wait
+        return launch.channel.poll(0) and self._read_prepared(supervisor, launch)
+
+    def _await_prepared(
+        self, supervisor: WorkerSupervisor, launch: Launch, engine: Any, env: Upstream
+    ) -> bool:
+        """:meth:`_prepared_reset`, waiting for the answer up to the engine's answer limit. False
+        if the standby died or passed that limit (dropped then)."""
+        if self._prepared_reset(supervisor, launch):
+            return True
+        if launch.slot not in self.standby:  # it died: dropped
+            return False
+        deadline = time.monotonic() + engine.answer_limit(env)
         while not launch.channel.poll(0):
-            if not wait:
-                return False
-            if supervisor.succession.gone(slot):
-                self._drop(supervisor, launch, phase)
+            if supervisor.succession.gone(launch.slot):
+                self._drop(supervisor, launch, _PREPARE)
                 return False
             if time.monotonic() >= deadline:
-                self._drop(supervisor, launch, phase, bound or f"{wait:g}s")
+                self._drop(supervisor, launch, _PREPARE, engine.answer_bound(env))
                 return False
             multiprocessing.connection.wait([launch.channel, launch.process.sentinel], timeout=0.02)
+        return self._read_prepared(supervisor, launch)
+
+    def _read_prepared(self, supervisor: WorkerSupervisor, launch: Launch) -> bool:
+        """Read ``launch``'s answer to :data:`PREPARE_RESET` (it is in its pipe, or EOF)."""
         if not read_answer(launch.channel):
-            self._drop(supervisor, launch, phase)
+            self._drop(supervisor, launch, _PREPARE)
             return False
-        self.prepared[slot] = "answered"
+        self.prepared[launch.slot] = "answered"
         return True
 
     def _drop(
@@ -289,7 +299,7 @@ class Recycler:
             return False
         if not launch.ready and not self._try_ready(env, supervisor, engine, launch, wait=True):
             return False
-        return self._prepared_reset(supervisor, launch, engine.answer_limit(env), _bound(engine, env))
+        return self._await_prepared(supervisor, launch, engine, env)
 
     def _swap(
         self, env: Upstream, supervisor: WorkerSupervisor, engine: Any, slot: int, command: str, t0: float
@@ -343,16 +353,6 @@ class Recycler:
         if pending is not None:
             pending[3].send(("close", None))  # the retired worker: its successor was lost
         self._forget_standby(supervisor, slot)
-
-
-def _bound(engine: Any, env: Upstream) -> str:
-    """The limit on one answer (``RestartEngine.answer_limit``), as the warning names it."""
-    limit = engine.answer_limit(env)
-    return (
-        f"step_timeout={limit:g}s"
-        if engine.options.step_timeout is not None
-        else f"{limit:g}s (TorchRL's pipe_timeout)"
-    )
 
 
 def _episode_ended(owner: Upstream, slot: int) -> bool:

@@ -297,6 +297,15 @@ class RestartEngine:
         limit = self.options.step_timeout
         return env.pipe_timeout if limit is None else limit
 
+    def answer_bound(self, env: Upstream) -> str:
+        """:meth:`answer_limit`, as a warning names it (the parameter that set it)."""
+        limit = self.answer_limit(env)
+        return (
+            f"step_timeout={limit:g}s"
+            if self.options.step_timeout is not None
+            else f"{limit:g}s (TorchRL's pipe_timeout)"
+        )
+
     def start_limit(self, env: Upstream) -> float:
         """How long a worker may take to build its env: ``start_timeout``, else TorchRL's wait."""
         limit = self.options.start_timeout
