@@ -206,6 +206,10 @@ class RestartEngine:
                     done.wait_for(answers.flags, slots, left, self.options.spin, check, on_timeout)
                 else:
                     answers.wait_events(slots, deadline, pipe_timeout, check, on_timeout)
+                # A worker that answered and then died before this wait ended is lost in this
+                # call, whether or not the supervisor thread has run since: look once (one select).
+                supervisor.poll()
+                check()
                 if self.recycler.on:
                     self.recycler.after_wait(env, supervisor, self, slots)
                 return
