@@ -62,6 +62,7 @@ __all__ = [
     "process_kwargs",
     "process_start_method",
     "process_target",
+    "release_exited_process",
     "request_fork",
     "run_exit_finalizers",
     "serve_forkserver",
@@ -175,6 +176,8 @@ INVENTORY: tuple[Internal, ...] = (
     _entry("multiprocessing.process:BaseProcess._name", _I, "preparation data name; renamed per restart"),
     _entry("multiprocessing.process:BaseProcess._target", _I, "tells TorchRL's worker processes apart"),
     _entry("multiprocessing.process:BaseProcess._args", _I, "kept by a restart copy (start() drops it)"),
+    _entry("multiprocessing.popen_fork:Popen.close", _C, "releases an exited worker's fds; its Process "
+           "keeps answering is_alive()", "self"),
     _entry("multiprocessing.util:_exit_function", _C, "multiprocessing's finalizers before os._exit"),
 )
 # fmt: on
@@ -263,6 +266,15 @@ def process_start_method(process: Any) -> str | None:
     """The start method of a process's class (``None`` for a bare ``BaseProcess``)."""
     method = getattr(process, "_start_method", None)
     return None if method is None else str(method)
+
+
+def release_exited_process(process: Any) -> None:
+    """Close the fds (sentinel pipes) a started ``process`` holds once its exit status is
+    collected; the object keeps answering ``is_alive()`` and ``exitcode``, unlike after
+    ``Process.close()``. Does nothing while its status is not collected."""
+    popen = process.__dict__.get("_popen")
+    if popen is not None and popen.returncode is not None:
+        popen.close()  # its finalizer closes the fds; returncode stays
 
 
 def copy_unstarted_process(template: Any, kwargs: dict[str, Any], name: str) -> Any:

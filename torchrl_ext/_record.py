@@ -13,7 +13,6 @@ sets ``hung`` and ``hang_timeout`` (through ``WorkerSupervisor.kill_hung``) befo
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import threading
 import time
@@ -155,10 +154,11 @@ class WorkerRecord:
             return True
 
     def release_process(self) -> None:
-        """Close its ``multiprocessing.Process`` (the sentinel pipes that object holds until
-        it is closed or collected) once its exit is collected; while it runs, keep it."""
-        with contextlib.suppress(ValueError, AssertionError):
-            self.process.close()
+        """Release the fds its ``multiprocessing.Process`` holds (the sentinel pipes, until the
+        object is closed or collected) once its exit is collected; while it runs, keep them.
+        The object itself stays as upstream leaves its workers: ``is_alive()`` and ``exitcode``
+        still answer for whoever holds it (TorchRL's own tests keep ``env._workers``)."""
+        _cpython.release_exited_process(self.process)
 
     def gone(self) -> bool:
         """Exited, or no process of this identity runs any more."""

@@ -198,14 +198,16 @@ class RestartEngine:
             if hang_at is not None and time.monotonic() >= hang_at:
                 raise _Hung
 
+        waiting = slots  # the slots whose answer is still to be read (consumed when all are in)
         while True:
             deadline = pipe_deadline if hang_at is None else min(pipe_deadline, hang_at)
             try:
                 if answers.flags is not None:
                     left = max(0.0, deadline - time.monotonic())
-                    done.wait_for(answers.flags, slots, left, self.options.spin, check, on_timeout)
+                    done.wait_for(answers.flags, waiting, left, self.options.spin, check, on_timeout)
                 else:
-                    answers.wait_events(slots, deadline, pipe_timeout, check, on_timeout)
+                    answers.wait_events(waiting, deadline, pipe_timeout, check, on_timeout)
+                waiting = []
                 # A worker that answered and then died before this wait ended is lost in this
                 # call, whether or not the supervisor thread has run since: look once (one select).
                 supervisor.poll()
@@ -214,10 +216,12 @@ class RestartEngine:
                     self.recycler.after_wait(env, supervisor, self, slots)
                 return
             except _Lost:
+                if not waiting:  # every answer was read: only the replacements' are awaited
+                    waiting = [lost.index for lost in supervisor.losses() if lost.index in slots]
                 self.handle_losses(env, supervisor, in_flight=slots)
             except _Hung:
                 assert step_timeout is not None
-                for slot in slots:
+                for slot in waiting:
                     if not answers.answered(slot) and not supervisor.exit_noticed(slot):  # dead: lost already
                         supervisor.kill_hung(slot, step_timeout)
                         supervisor.wait_handled(slot, LOSS_WAIT)

@@ -53,6 +53,9 @@ SNAPSHOT_INTERVAL = 0.5
 FALLBACK_POLL_INTERVAL = 0.1
 #: How long a closed pipe may precede the death of its worker becoming visible.
 LOST_PIPE_WAIT = 1.0
+#: Longest :meth:`WorkerSupervisor.poll` waits for another thread to finish handling an exit
+#: (reading its status and killing its tree, each bounded well within this).
+HANDLED_WAIT = 30.0
 
 
 class WorkerSupervisor:
@@ -271,9 +274,13 @@ class WorkerSupervisor:
             self.stats.observe(live, self.tag.owner)
 
     def poll(self) -> None:
-        """Synchronously notice workers that have exited (cheap: one select)."""
+        """Synchronously notice workers that have exited (cheap: one select). When it returns,
+        every exit it saw, and every exit another thread had begun to handle, is handled."""
         with self._lock:
             pending = {w.sentinel: w for w in self._workers if not w.finished}
+            handling = [w for w in self._workers if w.finished and not w.handled.is_set()]
+        for worker in handling:  # the supervisor thread saw it first and is killing its tree
+            worker.handled.wait(HANDLED_WAIT)
         if not pending:
             return
         for fd in multiprocessing.connection.wait(list(pending), timeout=0):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 from typing import Any
 
 import torch
@@ -148,6 +149,23 @@ class NestedEnv(EnvBase):
 
     def _set_seed(self, seed: int | None) -> None:
         pass
+
+
+class SlowCloseEnv(CountingEnv):
+    """A CountingEnv whose ``close()`` takes ``close_delay`` seconds (an env holding a renderer
+    or a simulator that is slow to let go): a graceful close cannot finish in time."""
+
+    def __init__(self, close_delay: float = 10.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.close_delay = float(close_delay)
+
+    def close(self, *, raise_if_closed: bool = True) -> None:
+        threading.Event().wait(self.close_delay)  # a slow release, not a synchronization
+        super().close(raise_if_closed=raise_if_closed)
+
+
+def make_slow_close_env(**kwargs: Any) -> SlowCloseEnv:
+    return SlowCloseEnv(**kwargs)
 
 
 def make_nested_env(**kwargs: Any) -> NestedEnv:

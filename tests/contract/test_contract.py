@@ -36,6 +36,7 @@ from tests.contract.envs import (
     make_counting_env,
     make_failing_env,
     make_nested_env,
+    make_slow_close_env,
     make_traj_counter_env,
     make_vecnorm_env,
 )
@@ -303,6 +304,31 @@ def test_metadata_from_workers_factory_error(mp_start_method: str) -> None:
     assert isinstance(error, Raised) and error.type == "builtins.RuntimeError", error
     assert "worker 1 failed during metadata construction" in error.message, error
     assert error.message.endswith("FactoryError: contract: the env factory failed on purpose"), error
+    assert_same_as_upstream(records)
+
+
+@every_start_method
+@pytest.mark.skipif(not HAS_METADATA_FROM_WORKERS, reason="this TorchRL has no metadata_from_workers")
+def test_metadata_from_workers_close_is_bounded_by_shutdown_timeout(mp_start_method: str) -> None:
+    """TorchRL's own ``test_metadata_from_workers_shutdown_is_bounded``, as a contract: an env
+    whose ``close()`` takes 10 s, ``shutdown_timeout=0.1``; when ``close()`` returns, every
+    worker process it had is dead, as upstream's are."""
+
+    def scenario(variant: Variant, rec: Record) -> None:
+        env = variant(
+            1,
+            functools.partial(make_slow_close_env, close_delay=10.0),
+            mp_start_method=mp_start_method,
+            metadata_from_workers=True,
+            use_buffers=False,
+            shutdown_timeout=0.1,
+        )
+        workers = list(env._workers)
+        rec("close", env.close)
+        rec("workers alive after close", lambda: [worker.is_alive() for worker in workers])
+
+    records = run_variants(scenario)
+    assert upstream(records, "workers alive after close") == [False]
     assert_same_as_upstream(records)
 
 
