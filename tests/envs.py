@@ -63,6 +63,7 @@ class ToyEnv(EnvBase):
         die_in_init_if: str | None = None,
         grow_mb_per_step: int = 0,
         grow_mb_per_reset: int = 0,
+        hold_mb: int = 0,
         init_gate: str | None = None,
         record_resets: bool = False,
         **kwargs: Any,
@@ -113,6 +114,8 @@ class ToyEnv(EnvBase):
         self.grow_mb_per_step = grow_mb_per_step
         self.grow_mb_per_reset = grow_mb_per_reset
         self._kept: list[bytes] = []
+        if hold_mb and self._in_worker():  # what a simulator holds: every page touched, its own
+            self._kept.append(b"\x01" * (hold_mb << 20))
         self._steps = 0
         self._iter: Any = None
         self._loader: Any = None

@@ -8,6 +8,7 @@ env's episode ``e`` starts at ``arange(4) + 100 * e``: the data shows where an e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -23,7 +24,7 @@ import torch
 from tests.conftest import start_kwargs
 from tests.envs import OBS, make_env, make_set_state_env
 from tests.polling import wait_until
-from torchrl_ext import ManagedParallelEnv
+from torchrl_ext import ManagedParallelEnv, _platform
 from torchrl_ext._policy import parse_bytes
 
 STARTS = [pytest.param("preloaded", marks=pytest.mark.compat), pytest.param("fork", marks=pytest.mark.compat)]
@@ -238,8 +239,32 @@ def test_an_env_reopened_after_close_recycles_afresh(method: str, tmp_path: Path
         env.close(raise_if_closed=False)
 
 
+def _tree_memory(pid: int, measure: str) -> int:
+    """Worker ``pid``'s tree (it and its descendants) as psutil reads it: ``"uss"`` (what no other
+    process maps, per process) or ``"rss"``."""
+    proc = psutil.Process(pid)
+    total = 0
+    for member in [proc, *proc.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):  # a DataLoader worker that just ended
+            info = member.memory_full_info() if measure == "uss" else member.memory_info()
+            total += getattr(info, measure)
+    return total
+
+
+#: The warning of an env whose recycle_memory counts RSS (no smaps_rollup, as on macOS).
+RSS_WARNING = "recycle_memory counts each worker tree's resident memory (RSS) here"
+
+
+@pytest.mark.parametrize("measure", ["uss", "rss"])
 @pytest.mark.parametrize("method", STARTS)
-def test_recycle_memory_replaces_a_growing_worker_before_its_tree_passes_the_cap(method: str) -> None:
+def test_recycle_memory_replaces_a_growing_worker_before_its_tree_passes_the_cap(
+    method: str, measure: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``recycle_memory`` counts the tree's unique memory (USS); where ``smaps_rollup`` cannot be
+    read ("rss": as on macOS), its RSS, with one warning."""
+    if measure == "rss":
+        monkeypatch.setattr(_platform, "has_smaps_rollup", lambda: False)
+    caplog.set_level(logging.WARNING, logger="torchrl_ext")
     grow = 16  # MiB per reset
     env = ManagedParallelEnv(
         2,
@@ -252,8 +277,7 @@ def test_recycle_memory_replaces_a_growing_worker_before_its_tree_passes_the_cap
     # The cap: the grower's tree now, plus 5 episodes' growth.
     probe = env.reset()
     assert probe is not None
-    tree = psutil.Process(env.worker_pids[1])
-    base = tree.memory_info().rss + sum(c.memory_info().rss for c in tree.children(recursive=True))
+    base = _tree_memory(env.worker_pids[1], measure)
     env.close()
     cap = base + 5 * (grow << 20)
     env = ManagedParallelEnv(
@@ -271,12 +295,59 @@ def test_recycle_memory_replaces_a_growing_worker_before_its_tree_passes_the_cap
         for _ in range(30):  # 150 steps: 30 episodes, six caps' worth of growth
             steps, td = _steps(env, td, 5)
             _assert_consistent(steps)
-            proc = psutil.Process(env.worker_pids[1])
-            rss = proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children(recursive=True))
-            peak = max(peak, rss)
+            peak = max(peak, _tree_memory(env.worker_pids[1], measure))
         assert env.restarts and all(r.cause == "memory" and r.slot == 1 for r in env.restarts)
         assert peak <= cap + ((grow + 1) << 20)  # under the cap, plus one episode's growth
         assert env.stats()["recycles_memory"] == len(env.restarts)
+        assert caplog.text.count(RSS_WARNING) == (measure == "rss")
+    finally:
+        env.close()
+
+
+#: MiB each worker of the DataLoader test holds of its own (a simulator's state).
+HOLD_MB = 64
+
+
+@pytest.mark.parametrize("method", STARTS)
+def test_recycle_memory_recycles_only_the_leaking_worker_of_an_env_with_dataloader_resets(
+    method: str,
+) -> None:
+    """Issue 30: 4 workers, each holding 64 MiB and running a ``DataLoader(num_workers=4)`` in
+    every reset, slot 3 keeping 64 MiB more at every reset; ``recycle_memory`` = 1.5x a healthy
+    tree's USS between two calls. During a reset a healthy tree's RSS is several times the cap
+    (each DataLoader worker maps torch and its parent's pages: RSS counts them once per process);
+    what it holds of its own stays under it: only slot 3 is recycled, again and again."""
+    factory = functools.partial(make_env, loader="per_reset", dl_workers=4, hold_mb=HOLD_MB)
+    probe = ManagedParallelEnv(4, factory, daemon_workers=False, **start_kwargs(method))
+    try:
+        td = probe.reset()
+        _steps(probe, td, 5)  # an episode, and the reset after it
+        steady = max(_tree_memory(pid, "uss") for pid in probe.worker_pids)
+        between = min(_tree_memory(pid, "rss") for pid in probe.worker_pids)
+    finally:
+        probe.close()
+    cap = int(1.5 * steady)
+    assert steady >= HOLD_MB << 20 and between > cap  # the RSS is over it even between resets
+    env = ManagedParallelEnv(
+        4,
+        factory,
+        create_env_kwargs=[{}, {}, {}, {"grow_mb_per_reset": 64}],
+        daemon_workers=False,
+        max_restarts=1,  # only for the worker_restarted entry: nothing may be marked
+        recycle_memory=cap,
+        **start_kwargs(method),
+    )
+    try:
+        td = env.reset()
+        healthy = env.worker_pids[:3]
+        for _ in range(10):  # 10 episodes: 640 MiB of growth in slot 3
+            steps, td = _steps(env, td, 5)
+            _assert_consistent(steps)
+        records = env.restarts
+        assert len(records) >= 2 and all(r.slot == 3 and r.cause == "memory" for r in records), records
+        assert env.worker_pids[:3] == healthy
+        stats = env.stats(workers=True)
+        assert stats["recycles_memory"] == stats["recycles"] == len(records) and stats["restarts"] == 0
     finally:
         env.close()
 

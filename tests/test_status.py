@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.conftest import child_env, kill_tree, start_kwargs
@@ -82,6 +84,45 @@ def test_status_lists_each_worker_with_its_tree_and_restarts(method: str) -> Non
     finally:
         env.close(raise_if_closed=False)
     assert not _mine(json.loads(as_json(read_envs()))), "the closed env is gone from status"
+
+
+@pytest.mark.parametrize("method", ["preloaded", "fork"])
+def test_stats_and_status_show_each_trees_unique_memory(method: str) -> None:
+    """What ``recycle_memory`` counts, the tree's USS (per process, the pages no other process
+    maps), is in ``stats()`` per worker and in all, and in ``status`` per worker: a worker that
+    holds 32 MiB of its own and runs a subprocess shows at least both, and less than its RSS
+    (torch's libraries, which other processes map too)."""
+    hold = 32 << 20
+    env = ManagedParallelEnv(
+        2,
+        functools.partial(make_env, hold_mb=32, subprocess_kind="plain"),
+        daemon_workers=False,
+        **start_kwargs(method),
+    )
+    try:
+        env.reset()
+        children = [psutil.Process(pid).children() for pid in env.worker_pids]
+        assert [len(c) for c in children] == [1, 1]
+        floor = [hold + c[0].memory_full_info().uss for c in children]
+
+        def sampled() -> Any:
+            s = env.stats(workers=True)
+            uss = [s.get(f"worker_{i}/uss_bytes", math.nan) for i in range(2)]
+            return s["descendants"] == 2 and all(u >= f for u, f in zip(uss, floor, strict=True)) and s
+
+        # USS is read with PSS (every 10 s while stats() is read): poll for a sample of the envs.
+        stats = wait_until(sampled, "a sample of both trees' USS", timeout=90)
+        for slot in range(2):
+            prefix = f"worker_{slot}/"
+            assert stats[prefix + "uss_bytes"] <= stats[prefix + "pss_bytes"] < stats[prefix + "rss_bytes"]
+        assert stats["tree_uss_bytes"] == sum(stats[f"worker_{i}/uss_bytes"] for i in range(2))
+        listed = _listed(env.worker_pids, children=1)
+        for worker, least in zip(listed["workers"], floor, strict=True):
+            assert least <= worker["tree_uss"] < worker["tree_rss"]
+        text = _status().stdout
+        assert "TREE USS" in text and all(str(pid) in text for pid in env.worker_pids), text
+    finally:
+        env.close()
 
 
 def test_status_watch_repeats_until_interrupted(tmp_path: Path) -> None:

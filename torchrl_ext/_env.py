@@ -106,9 +106,10 @@ class ManagedParallelEnv(ParallelEnv):
             started again, else :class:`WorkerStartTimeoutError`. ``None`` (default):
             TorchRL's own wait.
         recycle_memory: bytes, or a string such as ``"4GiB"``: once a worker's tree (it and
-            all its descendants, DataLoader workers included) has more resident, its slot's next
-            reset goes to a fresh worker started ahead of time, and the old one is closed; no
-            transition is marked (see docs/restarts.md, "Recycling").
+            all its descendants, DataLoader workers included) holds more of its own (its USS:
+            the pages no other process maps; RSS where ``/proc/PID/smaps_rollup`` cannot be
+            read), its slot's next reset goes to a fresh worker started ahead of time, and the
+            old one is closed; no transition is marked (see docs/restarts.md, "Recycling").
         recycle_every: the same after this many episodes (resets) of one worker.
         **kwargs: everything ``torchrl.envs.ParallelEnv`` accepts.
 
@@ -219,11 +220,16 @@ class ManagedParallelEnv(ParallelEnv):
         ``recycles_memory``, ``recycles_episodes`` (``recycle_memory``, ``recycle_every``);
         ``deaths``, ``hangs`` and ``env_errors`` (every loss, restarted or not);
         ``seconds_since_restart`` (NaN before the first);
-        ``tree_rss_bytes``, ``tree_pss_bytes``, ``descendants`` and ``fds`` of the live workers'
-        trees (each worker and all its descendants, DataLoader workers included), sampled by the
-        supervisor's thread at most once a second (PSS every 10 s while stats are read; NaN
-        before the first sample). ``workers=True`` adds ``worker_<i>/pid``, ``/alive``,
-        ``/restarts``, ``/recycles``, ``/rss_bytes``, ``/pss_bytes``, ``/descendants`` and ``/fds`` per slot.
+        ``descendants``, ``fds`` and the memory of the live workers' trees (each worker and all
+        its descendants, DataLoader workers included): ``tree_rss_bytes`` (resident, each
+        process in full: pages they share count once per process), ``tree_pss_bytes`` (each
+        page divided by the processes that map it) and ``tree_uss_bytes`` (per process, the
+        pages no other process maps: what ``recycle_memory`` counts); sampled by the
+        supervisor's thread at most once a second, USS and PSS every 10 s while stats are read
+        (and with ``recycle_memory``, USS of a tree whose RSS is over it at each sample), NaN
+        before the first sample or where ``/proc/PID/smaps_rollup`` cannot be read.
+        ``workers=True`` adds ``worker_<i>/pid``, ``/alive``, ``/restarts``, ``/recycles``,
+        ``/rss_bytes``, ``/pss_bytes``, ``/uss_bytes``, ``/descendants`` and ``/fds`` per slot.
         ``reset=True`` clears the call counters, the latency windows and ``wait_s`` after the
         snapshot (the loss and restart counts are the env's history and stay). With
         ``collect_stats=False`` nothing is measured: the latencies and the tree are NaN or 0.

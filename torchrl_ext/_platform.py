@@ -30,9 +30,11 @@ __all__ = [
     "IS_LINUX",
     "PORTABLE_VAR",
     "OrphanProbe",
+    "ProcessMemory",
     "has_parent_death_signal",
     "has_pidfd",
     "has_prctl",
+    "has_smaps_rollup",
     "kill_process_group",
     "new_process_group",
     "open_files_limit",
@@ -41,6 +43,7 @@ __all__ = [
     "portable_only",
     "probe_orphan_reaping",
     "process_group_of",
+    "process_memory",
     "process_name",
     "set_child_subreaper",
     "set_parent_death_signal",
@@ -263,6 +266,63 @@ def shm_size(path: str = "/dev/shm") -> int | None:
     except OSError:
         return None
     return stat.f_frsize * stat.f_blocks
+
+
+class ProcessMemory(NamedTuple):
+    """One process's memory as ``/proc/PID/smaps_rollup`` counts it, in bytes."""
+
+    #: Resident: every page it maps, shared or not.
+    rss: int
+    #: Proportional: each resident page divided by the number of processes that map it.
+    pss: int
+    #: Unique: the resident pages no other process maps (``Private_Clean + Private_Dirty``).
+    uss: int
+
+
+#: The ``smaps_rollup`` lines read, and the field of :class:`ProcessMemory` each adds to.
+_ROLLUP_FIELDS = {b"Rss:": 0, b"Pss:": 1, b"Private_Clean:": 2, b"Private_Dirty:": 2}
+
+
+def _read_rollup(pid: int) -> ProcessMemory | None:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    totals = [0, 0, 0]
+    seen = False
+    for line in data.splitlines():
+        name, _sep, rest = line.partition(b" ")
+        field = _ROLLUP_FIELDS.get(name)
+        if field is not None:
+            totals[field] += int(rest.split()[0]) << 10  # in kB
+            seen = True
+    return ProcessMemory(*totals) if seen else None  # a zombie's file is empty
+
+
+@functools.lru_cache(maxsize=1)
+def has_smaps_rollup() -> bool:
+    """Whether ``/proc/PID/smaps_rollup`` can be read (Linux >= 4.14): the unique and the
+    proportional memory of a process (:func:`process_memory`). Off with ``TORCHRL_EXT_PORTABLE=1``.
+
+    Example:
+        >>> has_smaps_rollup() in (True, False)
+        True
+    """
+    return not portable_only() and _read_rollup(os.getpid()) is not None
+
+
+def process_memory(pid: int) -> ProcessMemory | None:
+    """Process ``pid``'s resident, proportional and unique memory; ``None`` where
+    :func:`has_smaps_rollup` is false, or if it is gone. The kernel walks the process's page
+    tables: about 10 ms for a process with torch loaded (RSS alone costs 0.1 ms).
+
+    Example:
+        >>> mine = process_memory(os.getpid())
+        >>> mine is None or 0 < mine.uss <= mine.pss <= mine.rss
+        True
+    """
+    return _read_rollup(pid) if has_smaps_rollup() else None
 
 
 #: Where cgroup hierarchies are mounted: v2 (unified) first, then v1's memory controller.

@@ -25,6 +25,7 @@ import psutil
 from . import _cpython, _identity, _platform
 from ._channel import ParentChannel
 from ._errors import OomKill, WorkerDiedError
+from ._stats import TreeSample, sample_tree
 from ._wire import read_report, rebuild_exception
 
 __all__ = ["Loss", "WorkerRecord", "startup_failure"]
@@ -132,19 +133,10 @@ class WorkerRecord:
             return None
         return OomKill(self.cgroup, _platform.cgroup_memory_limit(self.cgroup), tree_rss)
 
-    def tree_rss(self) -> int | None:
-        """It and its known descendants: bytes resident now (``None``: it is gone). Reads
-        ``/proc`` of each (the recycler, at an episode boundary)."""
-        proc = _identity.same_process(self.pid, self.create_time)
-        if proc is None:
-            return None
-        total = 0
-        for member in [proc, *self.descendants.values()]:
-            try:
-                total += member.memory_info().rss
-            except (psutil.Error, OSError):
-                continue
-        return total
+    def sample(self, smaps: bool) -> TreeSample | None:
+        """It and its known descendants now (``None``: it is gone), with their USS and PSS if
+        ``smaps`` (``_stats``; the recycler, at an episode boundary)."""
+        return sample_tree(self.pid, self.create_time, self.descendants.values(), smaps)
 
     def exited(self) -> bool:
         """Whether multiprocessing has collected its exit (cheap; no identity check)."""

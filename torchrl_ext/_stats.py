@@ -9,8 +9,10 @@ Where each number comes from::
                            two clock reads and an append)
     supervisor thread  ──► TreeSampler.maybe_sample(): each worker's tree (the worker and all
                            its descendants) at most once per SAMPLE_INTERVAL: RSS, descendants,
-                           open fds; PSS (costly: smaps_rollup) at most once per PSS_INTERVAL,
-                           and only while someone reads stats()
+                           open fds; USS and PSS (costly: smaps_rollup) at most once per
+                           PSS_INTERVAL, and only while someone reads stats(); with
+                           recycle_memory, USS also of each tree whose RSS is over it, at
+                           most WATCH_SHARE of the thread's time
                            LossCounts: deaths, hangs and env errors seen
     RestartEngine      ──► env.restarts: restarts by cause, time of the last one
     stats() (any thread) ──► snapshot(): reads all of the above, takes no lock of theirs
@@ -32,21 +34,35 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from . import _identity
+from . import _identity, _platform
 
 if TYPE_CHECKING:
     from ._record import WorkerRecord
 
-__all__ = ["PSS_INTERVAL", "SAMPLE_INTERVAL", "WINDOW", "EnvStats", "TreeSample", "snapshot"]
+__all__ = [
+    "PSS_INTERVAL",
+    "SAMPLE_INTERVAL",
+    "WATCH_SHARE",
+    "WINDOW",
+    "EnvStats",
+    "TreeSample",
+    "sample_tree",
+    "snapshot",
+]
 
 #: Calls kept in each latency window (p50, p95 and max are over the last ``WINDOW`` calls).
 WINDOW = 1024
 #: Seconds between two memory samples of the workers' trees (RSS, descendants, fds).
 SAMPLE_INTERVAL = 1.0
-#: Seconds between two PSS samples (reading ``/proc/PID/smaps_rollup`` costs about 10 ms for a
-#: process with torch loaded); PSS is sampled only while ``stats()`` was read within
-#: ``PSS_INTERVAL * 6`` seconds.
+#: Seconds between two USS and PSS samples of every tree (reading ``/proc/PID/smaps_rollup``
+#: costs about 10 ms for a process with torch loaded); sampled only while ``stats()`` was read
+#: within ``PSS_INTERVAL * 6`` seconds.
 PSS_INTERVAL = 10.0
+#: With ``recycle_memory``, the share of its time a thread may spend reading the USS of the
+#: trees whose RSS is over it: after reads that took ``t`` seconds, the supervisor's next ones
+#: wait ``max(SAMPLE_INTERVAL, t / WATCH_SHARE)``; the recycler's at a boundary, which refresh
+#: its estimates (NOTE [unique memory] in ``_recycle``), ``t x workers / WATCH_SHARE``.
+WATCH_SHARE = 0.05
 
 
 class LatencyWindow:
@@ -149,36 +165,45 @@ class TreeSample:
     """One worker's tree (the worker and every live descendant) at one moment."""
 
     pid: int
+    #: Resident: each process's pages counted in full, those its processes share too.
     rss: int
-    #: ``None`` until the first PSS sample (or where ``smaps_rollup`` cannot be read).
+    #: Proportional (each page divided by the processes that map it) and unique (the pages
+    #: no other process maps, summed per process: see docs/restarts.md); ``None`` until the
+    #: first ``smaps_rollup`` read of this worker, or where it cannot be read.
     pss: int | None
+    uss: int | None
     descendants: int
     fds: int
     #: ``time.monotonic()`` of the sample.
     at: float
 
 
-def _sample_tree(
-    pid: int, create_time: float, descendants: Iterable[psutil.Process], pss: bool
+def sample_tree(
+    pid: int, create_time: float, descendants: Iterable[psutil.Process], smaps: bool
 ) -> TreeSample | None:
+    """The tree of worker ``pid`` now; with ``smaps`` (and ``smaps_rollup`` readable), its USS
+    and PSS too, read in the same pass as its RSS (about 10 ms per process with torch)."""
     worker = _identity.same_process(pid, create_time)
     if worker is None:
         return None
-    rss = fds = count = 0
-    pss_total: int | None = 0 if pss else None
+    smaps = smaps and _platform.has_smaps_rollup()
+    rss = pss = uss = fds = count = 0
     for proc in [worker, *descendants]:
         try:
-            if pss:
-                full = proc.memory_full_info()
-                rss += full.rss
-                pss_total = (pss_total or 0) + getattr(full, "pss", 0)
+            if smaps:
+                memory = _platform.process_memory(proc.pid)
+                if memory is None:
+                    continue  # it ended between the listing and the read
+                rss, pss, uss = rss + memory.rss, pss + memory.pss, uss + memory.uss
             else:
                 rss += proc.memory_info().rss
             fds += proc.num_fds()
         except (psutil.Error, OSError):
             continue  # it ended between the listing and the read
         count += proc is not worker
-    return TreeSample(pid, rss, pss_total, count, fds, time.monotonic())
+    if not smaps:
+        return TreeSample(pid, rss, None, None, count, fds, time.monotonic())
+    return TreeSample(pid, rss, pss, uss, count, fds, time.monotonic())
 
 
 class TreeSampler:
@@ -186,14 +211,20 @@ class TreeSampler:
 
     ``samples`` is replaced as a whole at each sample (readers never see it change), keyed
     by slot; a slot whose worker was lost keeps its last sample until its replacement's.
+    A worker's first sample reads its USS and PSS (``smaps_rollup``); a later sample that does
+    not keeps the last ones.
     """
 
     def __init__(self) -> None:
         self.samples: dict[int, TreeSample] = {}
         self._next = 0.0
         self._next_pss = 0.0
+        self._next_watch = 0.0
         #: ``time.monotonic()`` of the last ``stats()`` read (written by readers).
         self.read_at = -math.inf
+        #: ``recycle_memory`` (written by the recycler): a tree whose RSS is over it may be
+        #: over it in USS too, so its USS is read at each sample (within ``WATCH_SHARE``).
+        self.unique_over: int | None = None
 
     def rss_of(self, worker: WorkerRecord) -> int | None:
         """The last sampled RSS of ``worker``'s tree (``None``: never sampled)."""
@@ -207,19 +238,32 @@ class TreeSampler:
             return False
         self._next = now + SAMPLE_INTERVAL
         first = not self.samples
-        pss = now >= self._next_pss and (first or now - self.read_at < 6 * PSS_INTERVAL)
-        if pss:
+        every = now >= self._next_pss and (first or now - self.read_at < 6 * PSS_INTERVAL)
+        if every:
             self._next_pss = now + PSS_INTERVAL
+        over = self.unique_over
+        watch = over is not None and not every and now >= self._next_watch and _platform.has_smaps_rollup()
+        spent = 0.0
         samples = dict(self.samples)
         for worker in workers:
             slot, pid = worker.index, worker.pid
-            sample = _sample_tree(pid, worker.create_time, worker.descendants.values(), pss)
+            previous = samples.get(slot)
+            if previous is not None and previous.pid != pid:
+                previous = None  # a new worker: its USS and PSS are read now
+            sample = sample_tree(
+                pid, worker.create_time, worker.descendants.values(), every or previous is None
+            )
             if sample is None:
                 continue
-            previous = samples.get(slot)
-            if not pss and previous is not None and previous.pid == pid:
-                sample = dataclasses.replace(sample, pss=previous.pss)  # the last PSS stands
+            if watch and over is not None and sample.uss is None and sample.rss > over:  # USS <= RSS
+                t0 = time.perf_counter()
+                sample = sample_tree(pid, worker.create_time, worker.descendants.values(), True) or sample
+                spent += time.perf_counter() - t0
+            if sample.uss is None and previous is not None:
+                sample = dataclasses.replace(sample, pss=previous.pss, uss=previous.uss)  # they stand
             samples[slot] = sample
+        if watch:
+            self._next_watch = now + max(SAMPLE_INTERVAL, spent / WATCH_SHARE)
         self.samples = samples
         return True
 
@@ -300,10 +344,10 @@ def snapshot(
             "seconds_since_restart": time.time() - lost[-1].time if lost else float("nan"),
         }
         samples = {slot: s for slot, s in stats.sampler.samples.items() if slot < len(alive) and alive[slot]}
-        pss = [s.pss for s in samples.values()]
         out.update(
             tree_rss_bytes=sum(s.rss for s in samples.values()),
-            tree_pss_bytes=sum(p for p in pss if p is not None) if pss and None not in pss else float("nan"),
+            tree_pss_bytes=_total(s.pss for s in samples.values()),
+            tree_uss_bytes=_total(s.uss for s in samples.values()),
             descendants=sum(s.descendants for s in samples.values()),
             fds=sum(s.fds for s in samples.values()),
         )
@@ -318,8 +362,15 @@ def snapshot(
                     out[prefix + "pid"] = sample.pid
                     out[prefix + "rss_bytes"] = sample.rss
                     out[prefix + "pss_bytes"] = float("nan") if sample.pss is None else sample.pss
+                    out[prefix + "uss_bytes"] = float("nan") if sample.uss is None else sample.uss
                     out[prefix + "descendants"] = sample.descendants
                     out[prefix + "fds"] = sample.fds
         if reset:
             calls.clear()
     return out
+
+
+def _total(values: Iterable[int | None]) -> float | int:
+    """The sum of ``values``; NaN if there are none or one is unknown."""
+    known = list(values)
+    return sum(v for v in known if v is not None) if known and None not in known else float("nan")

@@ -8,7 +8,7 @@ Data flow::
             directory when the env closes, or by the reaper when the owner dies)
     python -m torchrl_ext status
         └─► read_envs(): every status.json whose owner still runs (pid and create time), plus
-            what /proc says now of each worker: state, CPU %, tree RSS, children
+            what /proc says now of each worker: state, CPU %, tree RSS and USS, children
 
 A published file holds the env's label, its owner, and per slot the worker's pid, create time
 and restarts, and the env's last step latency; nothing in it is needed for the env to run.
@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 
-from . import _identity
+from . import _identity, _platform
 
 __all__ = ["EnvStatus", "WorkerStatus", "format_table", "publish", "read_envs"]
 
@@ -67,7 +67,11 @@ class WorkerStatus:
     #: psutil's status (``"running"``, ``"sleeping"``, ``"zombie"``...), ``"gone"`` if it exited.
     state: str
     cpu_percent: float | None
+    #: Its tree's resident memory, each process in full (shared pages once per process).
     tree_rss: int | None
+    #: Its tree's unique memory: per process, the pages no other process maps, summed (what
+    #: ``recycle_memory`` counts); ``None`` where ``smaps_rollup`` cannot be read.
+    tree_uss: int | None
     children: int
     restarts: int
 
@@ -142,19 +146,25 @@ def read_envs(base: str | None = None, cpu_interval: float = 0.2) -> list[EnvSta
 
 
 def _worker_status(slot: int, pid: int, tree: list[psutil.Process], restarts: int) -> WorkerStatus:
-    state, cpu, rss = "gone", None, None
+    state, cpu, rss, uss = "gone", None, None, None
     if tree:
         try:
             state = tree[0].status()
         except psutil.Error:
             tree = []
     if tree:
-        cpu, rss = 0.0, 0
+        cpu, rss, unique = 0.0, 0, 0
+        smaps = _platform.has_smaps_rollup()
         for member in tree:
             with contextlib.suppress(psutil.Error):
                 cpu += member.cpu_percent(None)
-                rss += member.memory_info().rss
-    return WorkerStatus(slot, pid, state, cpu, rss, max(0, len(tree) - 1), restarts)
+                memory = _platform.process_memory(member.pid) if smaps else None
+                if memory is not None:
+                    rss, unique = rss + memory.rss, unique + memory.uss
+                else:  # no smaps_rollup, or it ended (its RSS read fails too, then)
+                    rss += member.memory_info().rss
+        uss = unique if smaps else None
+    return WorkerStatus(slot, pid, state, cpu, rss, uss, max(0, len(tree) - 1), restarts)
 
 
 def _mib(value: int | None) -> str:
@@ -165,7 +175,19 @@ def format_table(envs: Sequence[EnvStatus]) -> str:
     """A plain table, one line per worker, as ``ps`` prints processes."""
     if not envs:
         return "no managed envs running\n"
-    header = ("OWNER", "ENV", "SLOT", "PID", "STATE", "CPU%", "TREE RSS", "CHILDREN", "RESTARTS", "LAST STEP")
+    header = (
+        "OWNER",
+        "ENV",
+        "SLOT",
+        "PID",
+        "STATE",
+        "CPU%",
+        "TREE RSS",
+        "TREE USS",
+        "CHILDREN",
+        "RESTARTS",
+        "LAST STEP",
+    )
     rows = [header]
     for env in envs:
         step = "-" if env.last_step_ms is None else f"{env.last_step_ms:.1f} ms"
@@ -180,6 +202,7 @@ def format_table(envs: Sequence[EnvStatus]) -> str:
                     w.state,
                     cpu,
                     _mib(w.tree_rss),
+                    _mib(w.tree_uss),
                     str(w.children),
                     str(w.restarts),
                     step,

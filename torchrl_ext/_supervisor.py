@@ -39,7 +39,7 @@ from ._errors import WorkerDiedError, WorkerHungError, format_exitcode
 from ._record import Loss, WorkerRecord, startup_failure
 from ._report import SupervisionReport, WorkerOutcome
 from ._shutdown import close_workers
-from ._stats import EnvStats
+from ._stats import EnvStats, TreeSample
 from ._succession import Succession
 from ._tag import Tag
 from ._watcher import Round, Watcher
@@ -183,9 +183,9 @@ class WorkerSupervisor:
             self.succession.standby[index] = worker
         return worker.channel
 
-    def tree_rss(self, index: int) -> int | None:
-        """Slot ``index``'s worker tree: bytes resident now (see ``WorkerRecord.tree_rss``)."""
-        return self._worker(index).tree_rss()
+    def sample_tree(self, index: int, smaps: bool) -> TreeSample | None:
+        """Slot ``index``'s worker tree now (see ``WorkerRecord.sample``)."""
+        return self._worker(index).sample(smaps)
 
     def promote(self, index: int, close_within: float) -> tuple[ParentChannel, ParentChannel]:
         """Slot ``index``'s standby becomes its worker; the old one retires (it is sent "close"
