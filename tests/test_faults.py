@@ -8,6 +8,8 @@ import multiprocessing.synchronize
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -17,7 +19,7 @@ import psutil
 import pytest
 from torch.utils.data import DataLoader, Dataset
 
-from tests.conftest import fd_growth, fd_table, pid_alive, shm_entries, start_kwargs
+from tests.conftest import ROOT, child_env, fd_growth, fd_table, pid_alive, shm_entries, start_kwargs
 from tests.envs import make_env
 from tests.polling import WaitTimeout, wait_until
 from torchrl_ext import ManagedParallelEnv, RemoteTraceback, WorkerDiedError
@@ -185,6 +187,73 @@ def test_env_exceptions_keep_their_type(
     finally:
         # A worker that failed while starting leaves the env closed, as upstream's does.
         env.close(raise_if_closed=False)
+
+
+# A program that does not catch the env's error (both workers raise in reset), or whose env
+# restarts the slot whose step raised; argv: start path, "raise" or "restart".
+_UNCAUGHT_ENV_ERROR = """
+import sys
+from tests.conftest import start_kwargs
+from tests.envs import make_env
+from torchrl_ext import ManagedParallelEnv
+
+method, mode = sys.argv[1], sys.argv[2]
+if mode == "raise":
+    env = ManagedParallelEnv(2, make_env, create_env_kwargs={"raise_in": "reset"},
+                             daemon_workers=False, **start_kwargs(method))
+    env.reset()
+env = ManagedParallelEnv(2, make_env, create_env_kwargs=[{}, {"raise_in": "step"}], daemon_workers=False,
+                         max_restarts=1, restart_on_error=True, **start_kwargs(method))
+td = env.reset()
+env.step_and_maybe_reset(env.rand_action(td))
+assert len(env.restarts) == 1
+env.close()
+"""
+
+#: The name ``multiprocessing`` gives a worker of each start path (``<name>-<counter>``).
+_PROCESS_NAMES = {
+    "spawn": "SpawnProcess",
+    "fork": "ForkProcess",
+    "forkserver": "ForkServerProcess",
+    "preloaded": "ForkServerProcess",
+}
+
+
+@pytest.mark.parametrize(
+    ("method", "mode"),
+    [
+        pytest.param("fork", "raise", marks=pytest.mark.compat),
+        ("spawn", "raise"),
+        ("forkserver", "raise"),
+        ("preloaded", "raise"),
+        pytest.param("fork", "restart", marks=pytest.mark.compat),
+        ("preloaded", "restart"),
+    ],
+)
+def test_an_env_error_shows_one_traceback_under_the_workers_name(method: str, mode: str) -> None:
+    """The worker's traceback is shown once, under the worker's process name as upstream's
+    workers print it: as the cause of the error the main process raises (not also printed by
+    the worker), or, for an error the env restarted the slot for, by the worker itself."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNCAUGHT_ENV_ERROR, method, mode],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    err = proc.stderr
+    name = _PROCESS_NAMES[method]
+    raised = (
+        'raise KeyError("boom in reset")' if mode == "raise" else 'raise ZeroDivisionError("boom in step")'
+    )
+    assert proc.returncode == (1 if mode == "raise" else 0), err
+    assert err.count(raised) == 1, err
+    assert err.count("Process ") == 1 and f"Process {name}-" in err, err
+    if mode == "raise":  # the main process's error: its cause is that one traceback
+        assert err.count("Traceback (most recent call last)") == 2, err
+        assert 'RemoteTraceback: \n"""\nProcess ' in err, err
+        assert err.rstrip().endswith("while handling 'reset'."), err
 
 
 @pytest.mark.compat

@@ -152,15 +152,27 @@ class OomKill:
 class RemoteTraceback(Exception):
     """Carries the formatted traceback of an exception raised inside a worker process.
 
-    Attached as ``__cause__`` of the exception re-raised in the main process.
+    Attached as ``__cause__`` of the exception re-raised in the main process: the one copy of
+    the worker's traceback, under the worker's ``multiprocessing`` process name as upstream's
+    workers print it (``Process ForkProcess-1:``), when the worker reported it.
+
+    Example:
+        >>> str(RemoteTraceback("Traceback ...", "SpawnProcess-1")).splitlines()[2:4]
+        ['Process SpawnProcess-1:', 'Traceback ...']
     """
 
-    def __init__(self, tb: str) -> None:
+    def __init__(self, tb: str, process_name: str | None = None) -> None:
         super().__init__(tb)
         self.tb = tb
+        #: The worker's ``multiprocessing`` process name (``None``: not reported).
+        self.process_name = process_name
 
     def __str__(self) -> str:
-        return f'\n"""\n{self.tb}"""'
+        head = f"Process {self.process_name}:\n" if self.process_name else ""
+        return f'\n"""\n{head}{self.tb}"""'
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.tb, self.process_name))
 
 
 class WorkerDiedError(RuntimeError):

@@ -148,6 +148,14 @@ class Options:
         return self.replaces or self.step_timeout is not None
 
     @property
+    def raises_env_errors(self) -> bool:
+        """Whether every exception an env raises in a worker is raised in the main process: not
+        with restarts on errors (a restarted one is not raised), nor with recycling (a standby
+        that fails only makes a warning)."""
+        restarted = self.max_restarts > 0 and self.restart_on_error is not False
+        return not restarted and not self.recycles
+
+    @property
     def extra_preload(self) -> tuple[str, ...]:
         """Modules the user asked the preloaded server to import besides the factory's."""
         return self.preload if isinstance(self.preload, tuple) else ()
