@@ -10,8 +10,6 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
-import cloudpickle
-
 from ._platform import signal_name
 
 __all__ = [
@@ -99,6 +97,8 @@ def unpicklable_note(factory: Any, kwargs: Any, *, name: str, start: str, destin
         >>> note.splitlines()[0]
         "torchrl_ext: the env factory make of worker 0 cannot be pickled (TypeError: cannot pickle ..."
     """
+    import cloudpickle  # only once a start failed
+
     why = _pickling_error(factory, cloudpickle)
     if why is not None:
         what = f"the env factory {name} of {destination}"
