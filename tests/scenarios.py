@@ -199,7 +199,10 @@ def main() -> int:
         while True:
             ENV.rollout(50, break_when_any_done=False)
     if args.name in ("rollout_forever", "user_handler"):
-        _ready(args.ready, workers=ENV.worker_pids)
+        from torchrl_ext import _forkserver
+
+        server = _forkserver.server_key()  # the preloaded fork server, if this env uses one
+        _ready(args.ready, workers=ENV.worker_pids, server=None if server is None else server[0])
         while True:
             ENV.rollout(50, break_when_any_done=False)
     raise SystemExit(f"unknown scenario {args.name}")

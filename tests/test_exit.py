@@ -8,8 +8,13 @@ harness records every process still alive after the scenario's main process died
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import signal
+import subprocess
+import sys
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, cast
@@ -19,6 +24,7 @@ import pytest
 
 from tests.conftest import Scenario, pid_alive
 from tests.polling import wait_until
+from torchrl_ext._reaper import Reaper
 
 LINGER = 5.0  # the guarantee is 2 s; slack for a loaded 2-core CI machine
 #: The compat suite (TorchRL 0.10.1) runs a child interpreter per case: it takes the exits and
@@ -38,6 +44,19 @@ def _is_mp_helper(cmdline: str) -> bool:
 def _assert_nothing_leaked(result: object) -> None:
     leaked = result.leaked
     assert not leaked, f"processes outlived the main process by {LINGER}s: {leaked}"
+
+
+_REAPER_KILLED = re.compile(
+    r"torchrl_ext reaper: owner process \d+ died; killed (\d+) leftover process\(es\): (.*)"
+)
+
+
+def _reaper_killed(stderr: str) -> set[int] | None:
+    """The pids the reaper's warning names (``None``: it logged none)."""
+    found = _REAPER_KILLED.search(stderr)
+    if found is None:
+        return None
+    return {int(pid) for pid in re.findall(r"(\d+) \(", found.group(2))}
 
 
 @pytest.mark.parametrize(
@@ -92,6 +111,43 @@ def test_signals_close_envs_then_chain(
     if stderr_has:
         assert stderr_has in result.stderr
     _assert_nothing_leaked(result)
+    assert "leftover" not in result.stderr, result.stderr  # the close ended everything
+
+
+@pytest.mark.timeout(600)  # up to three child interpreters, each importing torch
+@pytest.mark.parametrize(
+    ("method", "runs"),
+    # Runs: the preloaded server was reported in about 2 runs of 3, CPython's fork server in
+    # every run; fork, which has no server, never.
+    [pytest.param("fork", 2, marks=COMPAT), ("preloaded", 3), ("forkserver", 1)],
+)
+def test_sigterm_close_leaves_the_reaper_nothing_to_report(method: str, runs: int, tmp_path: Path) -> None:
+    """After SIGTERM the handler closes the env and the process dies by the signal: the reaper,
+    which sees its owner die, finds only the owner's fork server (preloaded or CPython's), which
+    ends by itself with its owner, and reports nothing (it used to catch the server mid-exit,
+    kill it and report it as a leftover)."""
+    for run in range(runs):
+        scenario = Scenario(tmp_path / f"run{run}")
+        scenario.tmp_path.mkdir()
+        try:
+            scenario.start(
+                "rollout_forever",
+                "--method",
+                method,
+                "--subprocess",
+                "plain",
+                "--step-sleep",
+                "0.02",
+                linger=LINGER,
+            )
+            ready = scenario.wait_ready()
+            os.kill(ready["pid"], signal.SIGTERM)
+            result = scenario.finish(timeout=120)
+        finally:
+            scenario.kill()
+        assert result.returncode == -signal.SIGTERM, result.stderr
+        _assert_nothing_leaked(result)
+        assert "leftover" not in result.stderr, f"run {run}: {result.stderr}"
 
 
 def test_user_sigterm_handler_still_called(scenario: Scenario) -> None:
@@ -164,6 +220,12 @@ def test_sigkill_of_main_mid_long_step_leaves_nothing(
     polls = busy == "portable" or not _platform.has_pidfd()
     reapers = [s["cmdline"] for s in result.seen_before_death if "_reaper.py" in s["cmdline"]]
     assert reapers and all(cmd.endswith(" poll") == polls for cmd in reapers), reapers
+    # What the env could not end is reported: the simulators (outside every worker's group, no
+    # parent-death signal) at least; the fork server, which ends with its owner, never.
+    killed = _reaper_killed(result.stderr)
+    simulators = {int(p.read_text()) for p in pid_dir.glob("sim-*")}
+    assert killed is not None and simulators <= killed, (simulators, result.stderr)
+    assert ready.get("server") not in killed, (ready, result.stderr)
 
 
 def test_direct_children_killed_then_main_exits_leaves_nothing(scenario: Scenario, tmp_path: Path) -> None:
@@ -333,3 +395,63 @@ def test_sigkill_of_main_while_workers_bootstrap(scenario: Scenario, tmp_path: P
         # Killed by the reaper (SIGKILL); one that finished its start-up would have seen its
         # owner gone and exited with 1, seconds later.
         assert result.exit_codes.get(pid) == -signal.SIGKILL, (pid, result.exit_codes, result.survivors)
+
+
+def _write_messages(fifo: Path, *messages: dict[str, Any]) -> None:
+    fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # the reaper holds it open for reading
+    try:
+        os.write(fd, "".join(json.dumps(m) + "\n" for m in messages).encode())
+    finally:
+        os.close(fd)
+
+
+def test_reaper_waits_for_helpers_and_names_what_it_killed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At its owner's death the reaper kills what the owner left at once and names it; a helper
+    (a fork server: it ends by itself once its owner is gone) gets time to end and is not counted,
+    even when it is also watched as a worker, as the preloaded server is."""
+    sleeper = "import time\nwhile True: time.sleep(1)"
+    owner = subprocess.Popen([sys.executable, "-c", sleeper], stdout=subprocess.PIPE)
+    ended = tmp_path / "helper-ended"
+    # Reads the owner's stdout: EOF once the owner is gone; then ends by itself, a moment later.
+    helper_code = f"import sys, time\nsys.stdin.read()\ntime.sleep(0.3)\nopen({str(ended)!r}, 'w').close()\n"
+    helper = subprocess.Popen([sys.executable, "-c", helper_code], stdin=owner.stdout, process_group=0)
+    assert owner.stdout is not None
+    owner.stdout.close()
+    leftover = subprocess.Popen([sys.executable, "-c", sleeper], process_group=0)
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    fifo = runtime / "reaper.fifo"
+    os.mkfifo(fifo)
+    caplog.set_level(logging.WARNING, logger="torchrl_ext.reaper")
+    procs = {p.pid: psutil.Process(p.pid) for p in (owner, helper, leftover)}
+    reaper = Reaper(owner.pid, procs[owner.pid].create_time(), str(fifo))
+    thread = threading.Thread(target=reaper.run)
+    thread.start()
+    try:
+        ctime = procs[helper.pid].create_time()
+        _write_messages(
+            fifo,
+            {
+                "op": "watch",
+                "pid": leftover.pid,
+                "ctime": procs[leftover.pid].create_time(),
+                "pgid": leftover.pid,
+            },
+            {"op": "watch", "pid": helper.pid, "ctime": ctime, "pgid": helper.pid},
+            {"op": "helper", "pid": helper.pid, "ctime": ctime},
+        )
+        owner.kill()
+        owner.wait()
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    finally:
+        for proc in (owner, helper, leftover):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    assert ended.exists(), "the helper was killed instead of ending by itself"
+    messages = [r.getMessage() for r in caplog.records if "leftover" in r.getMessage()]
+    assert len(messages) == 1 and _reaper_killed(messages[0]) == {leftover.pid}, messages
+    assert "killed 1 leftover process(es)" in messages[0], messages

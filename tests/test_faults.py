@@ -8,15 +8,18 @@ import multiprocessing.synchronize
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 from torch.utils.data import DataLoader, Dataset
 
-from tests.conftest import fd_growth, fd_table, pid_alive, shm_entries
+from tests.conftest import ROOT, child_env, fd_growth, fd_table, pid_alive, shm_entries, start_kwargs
 from tests.envs import make_env
 from tests.polling import WaitTimeout, wait_until
 from torchrl_ext import ManagedParallelEnv, RemoteTraceback, WorkerDiedError
@@ -186,6 +189,73 @@ def test_env_exceptions_keep_their_type(
         env.close(raise_if_closed=False)
 
 
+# A program that does not catch the env's error (both workers raise in reset), or whose env
+# restarts the slot whose step raised; argv: start path, "raise" or "restart".
+_UNCAUGHT_ENV_ERROR = """
+import sys
+from tests.conftest import start_kwargs
+from tests.envs import make_env
+from torchrl_ext import ManagedParallelEnv
+
+method, mode = sys.argv[1], sys.argv[2]
+if mode == "raise":
+    env = ManagedParallelEnv(2, make_env, create_env_kwargs={"raise_in": "reset"},
+                             daemon_workers=False, **start_kwargs(method))
+    env.reset()
+env = ManagedParallelEnv(2, make_env, create_env_kwargs=[{}, {"raise_in": "step"}], daemon_workers=False,
+                         max_restarts=1, restart_on_error=True, **start_kwargs(method))
+td = env.reset()
+env.step_and_maybe_reset(env.rand_action(td))
+assert len(env.restarts) == 1
+env.close()
+"""
+
+#: The name ``multiprocessing`` gives a worker of each start path (``<name>-<counter>``).
+_PROCESS_NAMES = {
+    "spawn": "SpawnProcess",
+    "fork": "ForkProcess",
+    "forkserver": "ForkServerProcess",
+    "preloaded": "ForkServerProcess",
+}
+
+
+@pytest.mark.parametrize(
+    ("method", "mode"),
+    [
+        pytest.param("fork", "raise", marks=pytest.mark.compat),
+        ("spawn", "raise"),
+        ("forkserver", "raise"),
+        ("preloaded", "raise"),
+        pytest.param("fork", "restart", marks=pytest.mark.compat),
+        ("preloaded", "restart"),
+    ],
+)
+def test_an_env_error_shows_one_traceback_under_the_workers_name(method: str, mode: str) -> None:
+    """The worker's traceback is shown once, under the worker's process name as upstream's
+    workers print it: as the cause of the error the main process raises (not also printed by
+    the worker), or, for an error the env restarted the slot for, by the worker itself."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNCAUGHT_ENV_ERROR, method, mode],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    err = proc.stderr
+    name = _PROCESS_NAMES[method]
+    raised = (
+        'raise KeyError("boom in reset")' if mode == "raise" else 'raise ZeroDivisionError("boom in step")'
+    )
+    assert proc.returncode == (1 if mode == "raise" else 0), err
+    assert err.count(raised) == 1, err
+    assert err.count("Process ") == 1 and f"Process {name}-" in err, err
+    if mode == "raise":  # the main process's error: its cause is that one traceback
+        assert err.count("Traceback (most recent call last)") == 2, err
+        assert 'RemoteTraceback: \n"""\nProcess ' in err, err
+        assert err.rstrip().endswith("while handling 'reset'."), err
+
+
 @pytest.mark.compat
 def test_spec_reading_env_error_keeps_its_type() -> None:
     with pytest.raises(ValueError, match="boom") as info:
@@ -216,6 +286,59 @@ def test_spec_reading_env_cannot_leak_children(tmp_path: Path) -> None:
     report = env.supervision_report
     assert report is not None and report.clean, str(report)
     assert not [pid for pid in in_workers if pid_alive(pid)]
+
+
+def _factory_holding_a_lock() -> Callable[..., Any]:
+    """A closure over a lock: cloudpickle (what TorchRL sends a factory with) cannot pickle it."""
+    lock = threading.Lock()
+
+    def factory(**kwargs: Any) -> Any:
+        with lock:
+            return make_env(**kwargs)
+
+    return factory
+
+
+@pytest.mark.parametrize("where", ["spec reading", "worker"])
+@pytest.mark.parametrize("method", ["spawn", "forkserver", "preloaded"])
+def test_unpicklable_factory_error_names_it_and_the_fix(method: str, where: str) -> None:
+    """Every start but fork pickles the factory: pickling's own error (same type, same message)
+    with a note naming the factory, the process it was for, and the ways out."""
+    factory = _factory_holding_a_lock()
+    with pytest.raises(TypeError) as info:
+        if where == "spec reading":
+            ManagedParallelEnv(2, factory, daemon_workers=False, **start_kwargs(method))
+        else:  # the specs are read in this process: the workers' start pickles it
+            env = ManagedParallelEnv(
+                2,
+                [functools.partial(make_env), factory],
+                daemon_workers=False,
+                metadata_in_subprocess=False,
+                **start_kwargs(method),
+            )
+            try:
+                env.reset()
+            finally:
+                env.close(raise_if_closed=False)
+    err = info.value
+    assert str(err) == "cannot pickle '_thread.lock' object"
+    note = "".join(getattr(err, "__notes__", []))
+    assert "the env factory tests.test_faults._factory_holding_a_lock.<locals>.factory of " in note, note
+    assert ("read its specs" if where == "spec reading" else "of worker 1 cannot be pickled") in note, note
+    started = "the preloaded fork server" if method == "preloaded" else f"mp_start_method={method!r}"
+    assert f"starting it with {started}" in note, note
+    assert "module-level function" in note and "mp_start_method='fork', which pickles nothing" in note
+
+
+@pytest.mark.compat
+def test_unpicklable_factory_works_under_fork() -> None:
+    """Fork pickles nothing: the factory that no other start can send works, as upstream's (the
+    env that reads the specs in a helper process included)."""
+    env = ManagedParallelEnv(2, _factory_holding_a_lock(), daemon_workers=False, mp_start_method="fork")
+    try:
+        assert env.rollout(3).shape == (2, 3)
+    finally:
+        env.close()
 
 
 def test_no_zombies_fds_or_shm_after_repeated_worker_deaths() -> None:

@@ -494,14 +494,19 @@ class _ServerChild(multiprocessing.popen_forkserver.Popen):
         return result
 
 
-class _ServerProcess(multiprocessing.context.ForkServerProcess):
+class ForkServerProcess(multiprocessing.context.ForkServerProcess):
+    """A process of the server :func:`forkserver_context` was given. Its class name is that of
+    ``multiprocessing``'s own forkserver processes, because a process is named after its class
+    (``ForkServerProcess-2``): a worker shows the name upstream's workers have under
+    ``mp_start_method="forkserver"`` in its tracebacks and log records."""
+
     @staticmethod
     def _Popen(process_obj: Any) -> _ServerChild:
         return _ServerChild(process_obj)
 
 
 class _ServerContext(multiprocessing.context.ForkServerContext):
-    Process = _ServerProcess
+    Process = ForkServerProcess
 
 
 def forkserver_context(connect: Callable[[Sequence[int]], tuple[int, int]]) -> Any:

@@ -5,6 +5,7 @@ See ``docs/troubleshooting.md`` for every error's cause and fix.
 
 from __future__ import annotations
 
+import pickle
 import signal
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ __all__ = [
     "WorkerStartTimeoutError",
     "format_exitcode",
     "hint_for_exitcode",
+    "unpicklable_note",
 ]
 
 _SIGNAL_HINTS: dict[int, str] = {
@@ -68,6 +70,59 @@ def hint_for_exitcode(exitcode: int | None) -> str:
     )
 
 
+def _pickling_error(obj: Any, pickler: Any) -> str | None:
+    """Why ``pickler.dumps(obj)`` fails (``None``: it pickles)."""
+    try:
+        pickler.dumps(obj)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def unpicklable_note(factory: Any, kwargs: Any, *, name: str, start: str, destination: str) -> str | None:
+    """The note for an error raised while a factory and its kwargs were pickled for a new process:
+    which of the two does not pickle, why a pickle was needed, and the fixes; ``None`` when both
+    pickle (the error is about something else).
+
+    ``factory`` is probed as TorchRL sends it (``CloudpickleWrapper``: cloudpickle, so lambdas and
+    closures pickle), ``kwargs`` as ``multiprocessing`` does (plain pickle); ``name`` is the
+    factory as the user knows it, ``start`` the start path, ``destination`` the process it was
+    for (``"worker 1"``).
+
+    Example:
+        >>> import threading
+        >>> lock = threading.Lock()
+        >>> note = unpicklable_note(lambda: lock, {}, name="make", start="mp_start_method='spawn'",
+        ...                         destination="worker 0")
+        >>> note.splitlines()[0]
+        "torchrl_ext: the env factory make of worker 0 cannot be pickled (TypeError: cannot pickle ..."
+    """
+    import cloudpickle  # only once a start failed
+
+    why = _pickling_error(factory, cloudpickle)
+    if why is not None:
+        what = f"the env factory {name} of {destination}"
+        fix = (
+            "Fix: have the factory create what does not pickle (a lock, an open file, a "
+            "connection, a client) itself instead of capturing it or taking it as an argument: a "
+            "module-level function, or a functools.partial of one whose arguments pickle"
+        )
+    else:
+        why = _pickling_error(dict(kwargs or {}), pickle)
+        if why is None:
+            return None
+        what = f"the create_env_kwargs of {destination}"
+        fix = (
+            "Fix: pass only values that pickle in create_env_kwargs and create the others inside the factory"
+        )
+    return (
+        f"torchrl_ext: {what} cannot be pickled ({why}),\n"
+        f"and starting it with {start} sends it there pickled. {fix}; or pass "
+        "mp_start_method='fork', which pickles nothing. (TorchRL's EnvCreator does not help: it "
+        "pickles the factory it wraps.)"
+    )
+
+
 @dataclass(frozen=True)
 class OomKill:
     """The kernel's OOM killer killed a worker: its memory cgroup counted the kill.
@@ -97,15 +152,27 @@ class OomKill:
 class RemoteTraceback(Exception):
     """Carries the formatted traceback of an exception raised inside a worker process.
 
-    Attached as ``__cause__`` of the exception re-raised in the main process.
+    Attached as ``__cause__`` of the exception re-raised in the main process: the one copy of
+    the worker's traceback, under the worker's ``multiprocessing`` process name as upstream's
+    workers print it (``Process ForkProcess-1:``), when the worker reported it.
+
+    Example:
+        >>> str(RemoteTraceback("Traceback ...", "SpawnProcess-1")).splitlines()[2:4]
+        ['Process SpawnProcess-1:', 'Traceback ...']
     """
 
-    def __init__(self, tb: str) -> None:
+    def __init__(self, tb: str, process_name: str | None = None) -> None:
         super().__init__(tb)
         self.tb = tb
+        #: The worker's ``multiprocessing`` process name (``None``: not reported).
+        self.process_name = process_name
 
     def __str__(self) -> str:
-        return f'\n"""\n{self.tb}"""'
+        head = f"Process {self.process_name}:\n" if self.process_name else ""
+        return f'\n"""\n{head}{self.tb}"""'
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.tb, self.process_name))
 
 
 class WorkerDiedError(RuntimeError):

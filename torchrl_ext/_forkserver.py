@@ -55,7 +55,7 @@ from typing import Any
 
 import psutil
 
-from . import _cpython, _identity, _platform
+from . import _cpython, _identity, _platform, _reaper_client
 from ._errors import PreloadError, format_exitcode
 from ._tag import Tag
 
@@ -363,6 +363,7 @@ class _Server:
         self._proc = proc
         self.key = (proc.pid, psutil.Process(proc.pid).create_time())
         self.address, self._alive_fd, self._authkey = address, alive_w, key
+        _reaper_client.add_helper(*self.key)  # it ends with this process: not a leftover then
         log.debug("preloaded fork server pid %d ready (%s)", proc.pid, ", ".join(modules))
 
     @staticmethod

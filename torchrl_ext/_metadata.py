@@ -31,7 +31,9 @@ from torchrl.envs import EnvBase
 from torchrl.envs.env_creator import EnvCreator
 
 from . import _identity, _platform, _reaper_client
+from ._errors import unpicklable_note
 from ._intercept import get_env_metadata_patch
+from ._replace import describe_factory
 from ._tag import Tag, tagged_spawns
 from ._wire import exception_report, rebuild_exception
 from ._worker import WorkerConfig, end_own_descendants, exit_now, prepare_process
@@ -39,14 +41,16 @@ from ._worker import WorkerConfig, end_own_descendants, exit_now, prepare_proces
 __all__ = ["metadata_in_subprocess"]
 
 
-def _metadata_main(conn: Any, payload: bytes, config: WorkerConfig, num_threads: int) -> None:
+def _metadata_main(
+    conn: Any, payload: bytes | tuple[Any, ...], config: WorkerConfig, num_threads: int
+) -> None:
     """Runs in the child: build the env, send its metadata, end everything it started."""
     prepare_process(config)
     torch.set_num_threads(num_threads)
     # Plain pickle, by value: torch's multiprocessing reducers would share tensors through a
     # server thread in this process, which exits right after sending.
     try:
-        read, fn, kwargs, extra = cloudpickle.loads(payload)
+        read, fn, kwargs, extra = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
         answer = pickle.dumps(("ok", read(fn, kwargs, **extra)))
     except BaseException as exc:  # reported to the parent, which re-raises it
         answer = pickle.dumps(("error", exception_report(exc, None)))
@@ -56,6 +60,31 @@ def _metadata_main(conn: Any, payload: bytes, config: WorkerConfig, num_threads:
         conn.close()
         end_own_descendants()
         exit_now(0)
+
+
+def _payload(
+    read: Callable[..., Any], fn: Any, kwargs: Any, extra: dict[str, Any], start_method: str, preloaded: bool
+) -> bytes | tuple[Any, ...]:
+    """What the child gets to build the env: under fork the objects themselves (a forked child
+    has them: nothing is pickled, as for upstream's forked workers), else cloudpickled, as TorchRL
+    sends a factory to its workers; a factory that does not pickle gets a note naming it."""
+    if start_method == "fork":
+        return (read, fn, kwargs, extra)
+    try:
+        return cloudpickle.dumps((read, fn, kwargs, extra))
+    except Exception as err:
+        note = unpicklable_note(
+            fn,
+            kwargs,
+            name=describe_factory(fn),
+            start="the preloaded fork server (the default start)"
+            if preloaded
+            else f"mp_start_method={start_method!r}",
+            destination="the process that builds the env to read its specs (metadata_in_subprocess)",
+        )
+        if note is not None:
+            err.add_note(note)
+        raise
 
 
 #: What a managed env's construction passes down: start method name or context, tag, label,
@@ -71,6 +100,7 @@ def _compute(read: Callable[..., Any], context: _Context, fn: Any, kwargs: Any =
     # A start method's name, or the preloaded server's context (see _forkserver).
     ctx: Any = multiprocessing.get_context(start) if isinstance(start, str) else start
     start_method = ctx.get_start_method()
+    payload = _payload(read, fn, kwargs, extra, start_method, preloaded=not isinstance(start, str))
     owner_pid, owner_ctime = _identity.me()
     fifo = _reaper_client.acquire()
     config = WorkerConfig(
@@ -87,7 +117,7 @@ def _compute(read: Callable[..., Any], context: _Context, fn: Any, kwargs: Any =
     recv_conn, send_conn = ctx.Pipe(duplex=False)
     process = ctx.Process(
         target=_metadata_main,
-        args=(send_conn, cloudpickle.dumps((read, fn, kwargs, extra)), config, num_threads),
+        args=(send_conn, payload, config, num_threads),
         name=f"{label}-metadata",
         daemon=False,
     )

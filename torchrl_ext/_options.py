@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 import inspect
 import multiprocessing
-from collections.abc import Callable, Mapping
+import numbers
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ from ._compat import UPSTREAM_DEFAULTS
 from ._done_signal import DEFAULT_SPIN
 from ._policy import RestartRecord, parse_bytes
 
-__all__ = ["DEFAULT_SHUTDOWN_TIMEOUT", "Options"]
+__all__ = ["ACCEPTED", "DEFAULT_SHUTDOWN_TIMEOUT", "Options"]
 
 #: As the installed TorchRL: 10 s (TorchRL 0.10 hard-codes the same wait).
 DEFAULT_SHUTDOWN_TIMEOUT: float = UPSTREAM_DEFAULTS["shutdown_timeout"]
@@ -31,10 +32,10 @@ class Options:
     Example:
         >>> Options.validated(max_restarts=2).own_wait
         True
-        >>> Options.validated(step_timeout=-1.0)
+        >>> Options.validated(step_timeout="5")
         Traceback (most recent call last):
         ...
-        ValueError: step_timeout must be None or > 0 seconds, got -1.0
+        ValueError: step_timeout must be None or a number of seconds > 0, got '5' (str)
     """
 
     #: Resolved from ``daemon_workers``/``daemon`` and TorchRL's default.
@@ -66,33 +67,25 @@ class Options:
     def validated(cls, **arguments: Any) -> Options:
         """Check and resolve the options as ``ManagedParallelEnv`` takes them (any of its
         keyword-only parameters, by name; the others take its defaults: its signature is the
-        one list of the options); raise ``ValueError`` naming the parameter to change."""
+        one list of the options); raise ``ValueError`` naming the parameter to change and what
+        it accepts (:data:`ACCEPTED`)."""
         defaults = _defaults()
         unknown = sorted(set(arguments) - set(defaults))
         if unknown:
             raise TypeError(f"not options of ManagedParallelEnv: {unknown}")
         given = {**defaults, **arguments}
-        daemon_workers, daemon = given["daemon_workers"], given["daemon"]
-        shutdown_timeout, spin_wait = given["shutdown_timeout"], given["spin_wait"]
-        max_restarts, restart_window = given["max_restarts"], given["restart_window"]
-        step_timeout, child_start_method = given["step_timeout"], given["child_start_method"]
-        preload, metadata_in_subprocess = given["preload"], given["metadata_in_subprocess"]
-        if shutdown_timeout is None:
-            shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT
-        if not shutdown_timeout > 0:
-            raise ValueError(f"shutdown_timeout must be positive, got {shutdown_timeout!r}")
-        if spin_wait is not None and not spin_wait >= 0:
-            raise ValueError(f"spin_wait must be None or >= 0 seconds, got {spin_wait!r}")
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-            raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
-        if restart_window is not None and not restart_window > 0:
-            raise ValueError(f"restart_window must be None or > 0 seconds, got {restart_window!r}")
-        if step_timeout is not None and not step_timeout > 0:
-            raise ValueError(f"step_timeout must be None or > 0 seconds, got {step_timeout!r}")
-        start_timeout = given["start_timeout"]
-        if start_timeout is not None and not start_timeout > 0:
-            raise ValueError(f"start_timeout must be None or > 0 seconds, got {start_timeout!r}")
-        recycle_memory, recycle_every = given["recycle_memory"], given["recycle_every"]
+        for name, value in given.items():
+            accepts, check = ACCEPTED[name]
+            if not check(value):
+                raise ValueError(f"{name} must be {accepts}, got {value!r} ({type(value).__name__})")
+        methods = multiprocessing.get_all_start_methods()
+        child_start_method = given["child_start_method"]
+        if child_start_method is not None and child_start_method not in methods:
+            raise ValueError(
+                f"child_start_method={child_start_method!r} is not a start method here; "
+                f"choose one of {methods} or None"
+            )
+        recycle_memory = given["recycle_memory"]
         if recycle_memory is not None:
             recycle_memory = parse_bytes(recycle_memory, "recycle_memory")
             if not given["collect_stats"]:
@@ -100,44 +93,32 @@ class Options:
                     "recycle_memory needs the memory the supervisor samples: pass collect_stats=True "
                     "(the default), or use recycle_every"
                 )
-        if recycle_every is not None and (
-            isinstance(recycle_every, bool) or not isinstance(recycle_every, int) or recycle_every < 1
-        ):
-            raise ValueError(f"recycle_every must be None or an int >= 1 (episodes), got {recycle_every!r}")
-        on_restart = given["on_restart"]
-        if on_restart is not None and not callable(on_restart):
-            raise ValueError(
-                f"on_restart must be None or a callable taking a RestartRecord, got {on_restart!r}"
-            )
-        methods = multiprocessing.get_all_start_methods()
-        if child_start_method is not None and child_start_method not in methods:
-            raise ValueError(
-                f"child_start_method={child_start_method!r} is not a start method here; "
-                f"choose one of {methods} or None"
-            )
-        resolved = _resolve_daemon(daemon_workers, daemon)
+        resolved = _resolve_daemon(given["daemon_workers"], given["daemon"])
+        metadata_in_subprocess = given["metadata_in_subprocess"]
+        shutdown_timeout = given["shutdown_timeout"]
+        preload = given["preload"]
         return cls(
             daemon_workers=resolved,
-            shutdown_timeout=float(shutdown_timeout),
-            handle_signals=bool(given["handle_signals"]),
-            reap_orphans=bool(given["reap_orphans"]),
-            metadata_in_subprocess=not resolved
-            if metadata_in_subprocess is None
-            else bool(metadata_in_subprocess),
-            spin_wait=spin_wait,
+            shutdown_timeout=float(
+                DEFAULT_SHUTDOWN_TIMEOUT if shutdown_timeout is None else shutdown_timeout
+            ),
+            handle_signals=given["handle_signals"],
+            reap_orphans=given["reap_orphans"],
+            metadata_in_subprocess=not resolved if metadata_in_subprocess is None else metadata_in_subprocess,
+            spin_wait=_seconds(given["spin_wait"]),
             exit_with_parent=given["exit_with_parent"],
-            preload=bool(preload) if isinstance(preload, bool) else tuple(str(m) for m in preload),
+            preload=preload if isinstance(preload, bool) else tuple(preload),
             child_start_method=child_start_method,
-            max_restarts=max_restarts,
-            restart_window=None if restart_window is None else float(restart_window),
-            step_timeout=None if step_timeout is None else float(step_timeout),
+            max_restarts=int(given["max_restarts"]),
+            restart_window=_seconds(given["restart_window"]),
+            step_timeout=_seconds(given["step_timeout"]),
             restart_on_error=_error_types(given["restart_on_error"]),
             restart_backoff=_backoff(given["restart_backoff"]),
-            on_restart=on_restart,
-            start_timeout=None if start_timeout is None else float(start_timeout),
+            on_restart=given["on_restart"],
+            start_timeout=_seconds(given["start_timeout"]),
             recycle_memory=recycle_memory,
-            recycle_every=recycle_every,
-            collect_stats=bool(given["collect_stats"]),
+            recycle_every=None if given["recycle_every"] is None else int(given["recycle_every"]),
+            collect_stats=given["collect_stats"],
         )
 
     @classmethod
@@ -167,37 +148,133 @@ class Options:
         return self.replaces or self.step_timeout is not None
 
     @property
+    def raises_env_errors(self) -> bool:
+        """Whether every exception an env raises in a worker is raised in the main process: not
+        with restarts on errors (a restarted one is not raised), nor with recycling (a standby
+        that fails only makes a warning)."""
+        restarted = self.max_restarts > 0 and self.restart_on_error is not False
+        return not restarted and not self.recycles
+
+    @property
     def extra_preload(self) -> tuple[str, ...]:
         """Modules the user asked the preloaded server to import besides the factory's."""
         return self.preload if isinstance(self.preload, tuple) else ()
 
 
-def _error_types(value: Any) -> bool | tuple[type[BaseException], ...]:
-    """``restart_on_error``: a bool, an exception type, or a tuple of them (as ``except`` takes)."""
+# --------------------------------------------------------------------------- what each option accepts
+def _is_number(value: Any) -> bool:
+    """A real number that is not a bool (``True`` is not a number of seconds)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_seconds(value: Any) -> bool:
+    return _is_number(value) and value > 0
+
+
+def _or_none(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or check(value)
+
+
+def _is_flag(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_error_types(value: Any) -> bool:
+    """``restart_on_error``: a bool, an exception type, or a non-empty tuple of them."""
+    if isinstance(value, bool):
+        return True
+    types = value if isinstance(value, tuple) else (value,)
+    return bool(types) and all(isinstance(t, type) and issubclass(t, BaseException) for t in types)
+
+
+def _is_backoff(value: Any) -> bool:
+    """``restart_backoff``: ``(first, cap)`` seconds, ``0 <= first <= cap``."""
+    if not isinstance(value, tuple | list) or len(value) != 2 or not all(map(_is_number, value)):
+        return False
+    first, cap = value
+    return bool(0 <= first <= cap)
+
+
+def _is_module_list(value: Any) -> bool:
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, str | bytes)
+        and all(isinstance(name, str) and name for name in value)
+    )
+
+
+_SECONDS = "None or a number of seconds > 0"
+_OPTIONAL_FLAG = "None, True or False"
+
+#: What each option of ``ManagedParallelEnv`` accepts: its description in the error message,
+#: and the check. Every option has one (``Options.validated`` looks each one up); a value that
+#: passes may still be refused for what it says (an unknown start method, a size string that
+#: does not parse), by a message of its own.
+ACCEPTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "daemon_workers": (_OPTIONAL_FLAG, _or_none(_is_flag)),
+    "daemon": (_OPTIONAL_FLAG, _or_none(_is_flag)),
+    "shutdown_timeout": (_SECONDS, _or_none(_is_seconds)),
+    "handle_signals": ("True or False", _is_flag),
+    "reap_orphans": ("True or False", _is_flag),
+    "metadata_in_subprocess": (_OPTIONAL_FLAG, _or_none(_is_flag)),
+    "spin_wait": (
+        "None or a number of seconds >= 0 (0: never spin; float('inf'): TorchRL's own wait)",
+        _or_none(lambda value: _is_number(value) and value >= 0),
+    ),
+    "exit_with_parent": (_OPTIONAL_FLAG, _or_none(_is_flag)),
+    "preload": (
+        "True, False or a list of module names (such as ['my_project.envs'])",
+        lambda value: isinstance(value, bool) or _is_module_list(value),
+    ),
+    "child_start_method": (
+        "None or a start method name such as 'fork'",
+        _or_none(lambda v: isinstance(v, str)),
+    ),
+    "max_restarts": ("an int >= 0", lambda value: _is_int(value) and value >= 0),
+    "restart_window": (_SECONDS, _or_none(_is_seconds)),
+    "step_timeout": (_SECONDS, _or_none(_is_seconds)),
+    "restart_on_error": (
+        "True, False, an exception type or a tuple of them (as `except` takes)",
+        _is_error_types,
+    ),
+    "restart_backoff": ("None or (first, cap) seconds with 0 <= first <= cap", _or_none(_is_backoff)),
+    "on_restart": ("None or a callable taking a RestartRecord", _or_none(callable)),
+    "start_timeout": (_SECONDS, _or_none(_is_seconds)),
+    "recycle_memory": (
+        "None, a number of bytes > 0 or a size such as '4GiB'",
+        _or_none(lambda value: _is_int(value) or isinstance(value, str)),
+    ),
+    "recycle_every": (
+        "None or an int >= 1 (episodes)",
+        _or_none(lambda value: _is_int(value) and value >= 1),
+    ),
+    "collect_stats": ("True or False", _is_flag),
+}
+
+
+def _seconds(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _error_types(
+    value: bool | type[BaseException] | tuple[type[BaseException], ...],
+) -> bool | tuple[type[BaseException], ...]:
+    """``restart_on_error`` (checked): a bool, or the exception types as a tuple."""
     if isinstance(value, bool):
         return value
-    types = value if isinstance(value, tuple) else (value,)
-    if not types or not all(isinstance(t, type) and issubclass(t, BaseException) for t in types):
-        raise ValueError(
-            "restart_on_error must be True, False, an exception type or a tuple of them "
-            f"(as `except` takes), got {value!r}"
-        )
-    return types
+    return value if isinstance(value, tuple) else (value,)
 
 
-def _backoff(value: Any) -> tuple[float, float] | None:
-    """``restart_backoff``: ``None`` or ``(first, cap)`` seconds, ``0 <= first <= cap``."""
+def _backoff(value: Sequence[float] | None) -> tuple[float, float] | None:
+    """``restart_backoff`` (checked): ``None`` or ``(first, cap)`` as floats."""
     if value is None:
         return None
-    try:
-        first, cap = (float(v) for v in value)
-    except (TypeError, ValueError):
-        first = cap = -1.0
-    if not 0 <= first <= cap:
-        raise ValueError(
-            f"restart_backoff must be None or (first, cap) seconds with 0 <= first <= cap, got {value!r}"
-        )
-    return first, cap
+    first, cap = value
+    return float(first), float(cap)
 
 
 def _resolve_daemon(daemon_workers: bool | None, daemon: bool | None) -> bool:

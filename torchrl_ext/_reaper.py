@@ -11,8 +11,11 @@ snapshots their process trees twice a second. When the owner process dies by any
 * every descendant it saw in a snapshot,
 * every process whose environment carries the owner's ``TORCHRL_EXT_OWNER`` tag,
 
-and repeats until a round finds nothing new. It exits when the owner closes the last env
-(``{"op": "exit"}``) or after the cleanup. See the NOTE in ``docs/design.md``.
+and repeats until a round finds nothing new. The owner's *helpers* (``{"op": "helper"}``: its
+fork servers, which end by themselves once their owner is gone) are not among them: they get
+``HELPER_GRACE`` seconds to end, and only then SIGKILL; the warning counts and names what it had
+to kill, never a helper. It exits when the owner closes the last env (``{"op": "exit"}``) or
+after the cleanup. See the NOTE in ``docs/design.md``.
 
 What it knows (the workers, the descendants it saw) it also keeps in ``registry.json`` beside
 the FIFO, rewritten whenever that changes. If the reaper dies together with its owner (a
@@ -60,6 +63,11 @@ else:  # run as a script: python -I _reaper.py ...
 
 SNAPSHOT_INTERVAL = 0.5
 REGISTRY_NAME = "registry.json"
+#: Seconds the owner's helpers get to end by themselves after the owner died (a fork server
+#: exits when its "alive" pipe closes, or at once by its parent-death signal).
+HELPER_GRACE = 1.0
+#: How many of the processes it killed the warning names.
+NAMED = 10
 
 log = logging.getLogger("torchrl_ext.reaper")
 
@@ -73,6 +81,8 @@ class Reaper:
         self.fifo_fd = os.open(fifo_path, os.O_RDWR | os.O_NONBLOCK)
         self.buffer = b""
         self.workers: dict[int, tuple[float, int]] = {}  # pid -> (create_time, pgid)
+        #: The owner's helpers, pid -> create time ("helper" messages): they end by themselves.
+        self.helpers: dict[int, float] = {}
         self.seen: dict[tuple[int, float], psutil.Process] = {}
         self.stop = False
         self.registry_path = os.path.join(os.path.dirname(fifo_path), REGISTRY_NAME)
@@ -112,6 +122,8 @@ class Reaper:
                 self.workers.pop(pid, None)
                 self.seen = {k: v for k, v in self.seen.items() if not _descends(v, pid)}
                 self.registry_dirty = True
+            elif op == "helper":
+                self.helpers[int(msg["pid"])] = float(msg["ctime"])
             elif op == "exit":
                 self.stop = True
 
@@ -159,14 +171,34 @@ class Reaper:
             self.owner_pid, self.owner_ctime, self.workers, self.seen, frozenset(self.recent_groups)
         )
 
-    def cleanup(self) -> int:
-        killed = 0
+    def is_helper(self, proc: psutil.Process) -> bool:
+        ctime = self.helpers.get(proc.pid)
+        key = _identity.key_of(proc)
+        return ctime is not None and key is not None and bool(_identity.same_ctime(key[1], ctime))
+
+    def cleanup(self) -> dict[int, str]:
+        """Kill what the dead owner left: every target at once, its helpers once they had
+        ``HELPER_GRACE`` seconds to end by themselves. Returns what it killed (pid -> name), the
+        helpers left out: they were no env's to end."""
+        killed = self._kill_targets()
+        helpers = [proc for proc in self.targets() if self.is_helper(proc)]
+        if helpers:
+            deadline = time.monotonic() + HELPER_GRACE
+            while any(_identity.alive(proc) for proc in helpers) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            _identity.kill_and_reap(helpers, grace=0.0, kill_wait=0.2)
+            killed.update(self._kill_targets())  # what a helper started meanwhile
+        return killed
+
+    def _kill_targets(self) -> dict[int, str]:
+        killed: dict[int, str] = {}
         for _ in range(20):
-            procs = self.targets()
+            procs = [proc for proc in self.targets() if not self.is_helper(proc)]
             if not procs:
                 break
+            names = {proc.pid: _name(proc) for proc in procs}
             _terminated, done = _identity.kill_and_reap(procs, grace=0.0, kill_wait=0.2)
-            killed += len(done)
+            killed.update((proc.pid, names.get(proc.pid, "?")) for proc in done)
         return killed
 
     # --- main loop ------------------------------------------------------------------------
@@ -189,10 +221,13 @@ class Reaper:
                 self.read_messages()
                 killed = self.cleanup()
                 if killed:
+                    named = ", ".join(f"{pid} ({name})" for pid, name in sorted(killed.items())[:NAMED])
                     log.warning(
-                        "torchrl_ext reaper: owner process %d died; killed %d leftover process(es)",
+                        "torchrl_ext reaper: owner process %d died; killed %d leftover process(es): %s%s",
                         self.owner_pid,
-                        killed,
+                        len(killed),
+                        named,
+                        ", ..." if len(killed) > NAMED else "",
                     )
                 # The owner's temporary directory (this FIFO, the workers' error reports).
                 shutil.rmtree(os.path.dirname(self.fifo_path), ignore_errors=True)
@@ -256,6 +291,13 @@ def load_registry(path: str) -> Registry | None:
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return str(proc.name())
+    except psutil.Error:
+        return "?"
 
 
 def _descends(proc: psutil.Process, pid: int) -> bool:

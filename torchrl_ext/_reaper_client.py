@@ -24,7 +24,7 @@ import psutil
 
 from . import _platform
 
-__all__ = ["acquire", "notify_watch", "release", "send"]
+__all__ = ["acquire", "add_helper", "notify_watch", "release", "send"]
 
 log = logging.getLogger("torchrl_ext")
 
@@ -34,6 +34,10 @@ _REAPER_SCRIPT = Path(__file__).with_name("_reaper.py")
 #: one (tens of milliseconds each).
 LINGER = 2.0
 _lock = threading.RLock()
+#: This process's helpers, pid -> create time: processes that end by themselves when it dies
+#: (the fork servers, ``add_helper``). Every reaper is told of each, so that at this process's
+#: death it waits for them to end instead of counting them among what the envs left.
+_helpers: dict[int, float] = {}
 
 
 class _ReaperHandle:
@@ -57,6 +61,8 @@ class _ReaperHandle:
             env=env,
         )
         self.pid = self.proc.pid
+        for pid, ctime in _helpers.items():
+            self.send(helper_message(pid, ctime))
 
     def send(self, message: dict[str, object]) -> None:
         data = (json.dumps(message) + "\n").encode()
@@ -98,6 +104,7 @@ def _forget_in_child() -> None:
     _handle = None
     _users = 0
     _linger = None
+    _helpers.clear()  # the parent's, not this process's: they do not end with it
 
 
 if hasattr(os, "register_at_fork"):
@@ -182,6 +189,21 @@ def watch(pid: int, ctime: float, pgid: int) -> None:
 def unwatch(pid: int) -> None:
     """Tell this process's reaper that ``pid`` (reaped, or replaced) is no longer ours."""
     send({"op": "unwatch", "pid": pid})
+
+
+def helper_message(pid: int, ctime: float) -> dict[str, object]:
+    """The reaper's "helper" message: ``pid`` ends by itself when the owner dies."""
+    return {"op": "helper", "pid": pid, "ctime": ctime}
+
+
+def add_helper(pid: int, ctime: float) -> None:
+    """Record a process that ends by itself when this one dies (a fork server that exits once
+    its "alive" pipe closes): this process's reaper, and every later one, waits for it to end
+    instead of reporting it as a leftover (see ``_reaper.HELPER_GRACE``)."""
+    with _lock:
+        _helpers[pid] = ctime
+        if _handle is not None:
+            _handle.send(helper_message(pid, ctime))
 
 
 def notify_watch(fifo: str, pid: int, ctime: float, pgid: int) -> None:

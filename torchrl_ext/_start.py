@@ -27,7 +27,7 @@ import psutil
 from . import _cpython, _forkserver, _identity, _lifecycle, _platform, _reaper_client, _stacks
 from ._compat import UPSTREAM_DEFAULTS, Upstream, default_start_method, unwrap_factory
 from ._done_signal import has_spare_core
-from ._errors import DaemonicParentError, WorkerStartTimeoutError
+from ._errors import DaemonicParentError, WorkerStartTimeoutError, unpicklable_note
 from ._intercept import (
     ConfiguredKwargs,
     SupervisedWorkers,
@@ -330,6 +330,7 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
                 reaper_fifo=fifo,
                 done_fifo=None if options.spin == float("inf") else supervisor.done_signal.path,
                 child_start_method=plan.child_start_method,
+                owner_raises_errors=options.raises_env_errors,
             ),
         )
         for i, kwargs in enumerate(user_kwargs)
@@ -353,6 +354,7 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
         failure = abort_start(env, supervisor, err, options.shutdown_timeout)
         failure = watch.failure() or failure
         if failure is None:
+            explain_pickling(err, plan, upstream.factories, user_kwargs)
             raise
         raise_failure(failure)
     finally:
@@ -372,6 +374,31 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
     state.worker_pids = [p.pid for p in processes]
     state.supervisor = supervisor
     log.debug("%s started %d workers: %s", label, len(processes), state.worker_pids)
+
+
+def explain_pickling(err: BaseException, plan: StartPlan, factories: Any, kwargs: list[Any]) -> None:
+    """A start that failed before any worker did, under a start method that pickles each
+    worker's factory and kwargs (all but fork): if one of them does not pickle, a note on
+    ``err`` (whose type stays the one pickling raised) names it, its worker, and the fixes."""
+    if plan.start_method == "fork" or not isinstance(err, Exception):
+        return
+    start = (
+        "the preloaded fork server (the default start)"
+        if plan.context is not None
+        else f"mp_start_method={plan.start_method!r}"
+    )
+    probed: set[tuple[int, int]] = set()
+    for index, worker_kwargs in enumerate(kwargs):
+        fn = factories[index] if isinstance(factories, list | tuple) else factories
+        if (id(fn), id(worker_kwargs)) in probed:
+            continue
+        probed.add((id(fn), id(worker_kwargs)))
+        note = unpicklable_note(
+            fn, worker_kwargs, name=describe_factory(fn), start=start, destination=f"worker {index}"
+        )
+        if note is not None:
+            err.add_note(note)
+            return
 
 
 def _check_restartable(env: Upstream) -> None:

@@ -110,12 +110,14 @@ def _tagging_spawnv(previous: Callable[..., int]) -> Callable[..., int]:
             env[OWNER_VAR] = str(Tag(tag.owner_pid, tag.owner_create_time, server_id))
             env[WORKER_VAR] = MP_FORKSERVER_SUFFIX
         pid = _platform.spawn_passing_fds(path, args, passfds, env, own_group=kind == "worker")
-        if kind == "worker":  # the fork server is shared: its tag alone marks it
-            try:
-                ctime = psutil.Process(pid).create_time()
-            except psutil.Error:  # already gone: nothing to watch
-                return pid
+        try:
+            ctime = psutil.Process(pid).create_time()
+        except psutil.Error:  # already gone: nothing to watch
+            return pid
+        if kind == "worker":
             _reaper_client.watch(pid, ctime, pid)
+        else:  # the fork server is shared: its tag alone marks it, and it ends with its owner
+            _reaper_client.add_helper(pid, ctime)
         return pid
 
     spawnv_passfds.__wrapped__ = previous  # type: ignore[attr-defined]

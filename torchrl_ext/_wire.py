@@ -1,7 +1,7 @@
 """How an exception raised in a worker travels to the main process: the wire format.
 
 A worker (or the spec-reading process) describes the exception with :func:`exception_report`:
-its type, message, formatted traceback and, when it pickles, the exception itself. The worker
+its type, message, formatted traceback, process name and, when it pickles, the exception itself. The worker
 writes that to a report file (:func:`write_report`) before it exits; the spec-reading process
 sends it over its pipe. The main process turns it back into an exception with
 :func:`rebuild_exception`: the same type when it unpickles (else a ``WorkerEnvError``), the
@@ -10,6 +10,7 @@ worker's traceback as ``__cause__`` and a note naming the worker.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import time
@@ -37,12 +38,13 @@ def exception_report(exc: BaseException, last_command: str | None) -> dict[str, 
         "exception": payload,
         "last_command": last_command,
         "pid": os.getpid(),
+        "process": multiprocessing.current_process().name,
         "time": time.time(),
     }
 
 
-def write_report(path: str, exc: BaseException, last_command: str | None) -> None:
-    """Leave ``exc`` for the parent in ``path`` (atomically; never raises)."""
+def write_report(path: str, exc: BaseException, last_command: str | None) -> bool:
+    """Leave ``exc`` for the parent in ``path`` (atomically; never raises); whether it is there."""
     report = exception_report(exc, last_command)
     tmp = f"{path}.tmp"
     try:
@@ -50,7 +52,8 @@ def write_report(path: str, exc: BaseException, last_command: str | None) -> Non
             pickle.dump(report, fh)
         os.replace(tmp, path)
     except OSError:
-        pass
+        return False
+    return True
 
 
 def read_report(path: str) -> dict[str, Any] | None:
@@ -71,7 +74,7 @@ def rebuild_exception(report: dict[str, Any], index: int, pid: int) -> BaseExcep
             exc = None
     if not isinstance(exc, BaseException):
         exc = WorkerEnvError(index, pid, report.get("type", "Exception"), report.get("message", ""))
-    exc.__cause__ = RemoteTraceback(report.get("traceback", ""))
+    exc.__cause__ = RemoteTraceback(report.get("traceback", ""), report.get("process"))
     last = report.get("last_command")
     where = f"while handling {last!r}" if last else "while building the env"
     if index < 0:

@@ -5,8 +5,9 @@ replaced by entries that find our :class:`WorkerConfig` next to the user's env k
 ``_compat``) and call :func:`run_managed`: it prepares the process (own process group,
 parent-death signal, tag, daemon flag, report to the reaper) and then runs TorchRL's own
 worker loop. Exceptions the env raises are written to a report file for the parent before the
-worker exits; after a normal "close" the worker ends its own descendants and exits at once
-instead of waiting out interpreter teardown.
+worker exits, and printed there by ``multiprocessing`` only when the parent may not raise them
+(restarts on errors, recycling); after a normal "close" the worker ends its own descendants and
+exits at once instead of waiting out interpreter teardown.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class WorkerConfig:
     #: Default start method inside the worker (what a DataLoader built there without a
     #: ``multiprocessing_context`` uses); ``None`` leaves the inherited one.
     child_start_method: str | None = None
+    #: The owner raises every exception the env raises here, with the traceback this worker
+    #: reports as its cause (``Options.raises_env_errors``): the worker does not print it too.
+    owner_raises_errors: bool = False
 
 
 class _CommandRecorder:
@@ -293,7 +297,10 @@ def run_managed(original: Callable[..., Any], config: WorkerConfig, kwargs: dict
             exit_now(0)
         if isinstance(exc, SystemExit | KeyboardInterrupt):
             raise
-        write_report(config.report_path, exc, recorder.last_command)
+        if write_report(config.report_path, exc, recorder.last_command) and config.owner_raises_errors:
+            # One traceback per failure: the owner raises it with this one as its cause, so
+            # multiprocessing's own print of it (at the same exit code, 1) would be a second.
+            raise SystemExit(1) from None
         raise
     end_own_descendants()
     exit_now(0)
