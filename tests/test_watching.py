@@ -14,6 +14,8 @@ from typing import Any
 
 import psutil
 import pytest
+import torch
+from torchrl.envs import EnvBase, StepCounter, TransformedEnv
 
 from tests.conftest import start_kwargs
 from tests.envs import make_env
@@ -22,7 +24,7 @@ from torchrl_ext import ManagedParallelEnv, WorkerDiedError, WorkerHungError, _p
 
 #: The default path and fork (what the issue names); spawn and forkserver start the same code.
 STARTS = ["preloaded", pytest.param("fork", marks=pytest.mark.compat)]
-LATENCIES = [f"{call}_ms_{q}" for call in ("step", "reset") for q in ("p50", "p95", "max")]
+LATENCIES = [f"{call}_ms_{q}" for call in ("step", "boundary", "reset") for q in ("p50", "p95", "max")]
 
 
 def _env(method: str, **kwargs: Any) -> ManagedParallelEnv:
@@ -34,14 +36,16 @@ def test_stats_count_calls_and_their_latencies(method: str) -> None:
     env = _env(method)
     try:
         before = env.stats()
-        assert before["steps"] == before["resets"] == 0 and before["workers"] == 2
+        assert before["steps"] == before["resets"] == before["reset_calls"] == 0 and before["workers"] == 2
         assert all(math.isnan(before[key]) for key in LATENCIES), before
         td = env.reset()
         for _ in range(3):
             td = env.step(env.rand_action(td))["next"]
         td = env.rollout(1, auto_reset=False, tensordict=td)[..., -1]["next"]  # step_and_maybe_reset
         stats = env.stats()
-        assert stats["steps"] == 4 and stats["resets"] == 1
+        assert stats["steps"] == 4 and stats["reset_calls"] == 1
+        assert stats["resets"] == 2  # each worker's reset (the episodes last 5 steps: no end yet)
+        assert stats["boundary_steps"] == 0 and math.isnan(stats["boundary_ms_max"])
         assert stats["workers_alive"] == 2 and stats["restarts"] == stats["deaths"] == 0
         for call in ("step", "reset"):
             p50, p95, top = (stats[f"{call}_ms_{q}"] for q in ("p50", "p95", "max"))
@@ -53,9 +57,114 @@ def test_stats_count_calls_and_their_latencies(method: str) -> None:
         assert env.stats()["steps"] == 5
         # reset=True: this snapshot as it is, then the call counters and windows start over.
         assert env.stats(reset=True)["steps"] == 5
-        after = env.stats()
-        assert after["steps"] == after["resets"] == 0 and after["wait_s"] == 0
+        after = env.stats(workers=True)
+        assert after["steps"] == after["resets"] == after["reset_calls"] == after["wait_s"] == 0
+        assert after["worker_0/resets"] == after["worker_1/resets"] == 0
         assert all(math.isnan(after[key]) for key in LATENCIES)
+    finally:
+        env.close(raise_if_closed=False)
+
+
+# --------------------------------------------------------------------------- resets, per worker
+#: Episode lengths of the two workers' envs in the reset tests (different: their counts differ).
+EPISODE_STEPS = (2, 3)
+
+
+def make_short_episode_env(max_steps: int, **kwargs: Any) -> EnvBase:
+    """The toy env, its episodes cut at ``max_steps`` steps by TorchRL's ``StepCounter``."""
+    return TransformedEnv(make_env(**kwargs), StepCounter(max_steps))
+
+
+def _short_episodes(method: str, **kwargs: Any) -> ManagedParallelEnv:
+    return ManagedParallelEnv(
+        2,
+        make_short_episode_env,
+        create_env_kwargs=[{"max_steps": n} for n in EPISODE_STEPS],
+        daemon_workers=False,
+        **start_kwargs(method),
+        **kwargs,
+    )
+
+
+def _ends(transitions: list[Any]) -> tuple[list[int], int]:
+    """Per worker, the episodes that ended in ``transitions``; and the transitions in which one did."""
+    done = torch.stack([t["next", "done"].reshape(2) for t in transitions])
+    return done.sum(0).tolist(), int(done.any(1).sum())
+
+
+def _assert_latencies(stats: dict[str, float | int], call: str) -> None:
+    p50, p95, top = (stats[f"{call}_ms_{q}"] for q in ("p50", "p95", "max"))
+    assert 0 < p50 <= p95 <= top, stats
+
+
+@pytest.mark.parametrize(
+    ("method", "use_buffers"),
+    [
+        ("preloaded", True),
+        pytest.param("fork", True, marks=pytest.mark.compat),
+        pytest.param("fork", False, marks=pytest.mark.compat),  # TorchRL resets through _reset
+    ],
+)
+def test_stats_count_each_workers_resets_inside_step_and_maybe_reset(method: str, use_buffers: bool) -> None:
+    """A collector's loop: the workers reset their envs inside ``step_and_maybe_reset``."""
+    env = _short_episodes(method, use_buffers=use_buffers)
+    try:
+        td = env.reset()
+        transitions = []
+        for _ in range(12):
+            td.set("action", env.action_spec.rand())
+            step, td = env.step_and_maybe_reset(td)
+            transitions.append(step)
+        ends, boundaries = _ends(transitions)
+        assert ends == [12 // n for n in EPISODE_STEPS]  # 6 and 4: the envs' own episodes
+        stats = env.stats(workers=True)
+        assert stats["steps"] == 12 and stats["reset_calls"] == 1
+        # Every worker's reset once: the first reset, then one per episode end.
+        assert [stats[f"worker_{i}/resets"] for i in range(2)] == [1 + n for n in ends]
+        assert stats["resets"] == 2 + sum(ends)
+        assert stats["boundary_steps"] == boundaries == 8
+        for call in ("step", "boundary", "reset"):
+            _assert_latencies(stats, call)
+        assert stats["boundary_ms_max"] <= stats["step_ms_max"]  # boundary steps are steps
+    finally:
+        env.close(raise_if_closed=False)
+
+
+@pytest.mark.parametrize("method", STARTS)
+def test_a_partial_reset_counts_only_the_workers_it_resets(method: str) -> None:
+    env = _env(method)
+    try:
+        td = env.reset()
+        td = env.step(env.rand_action(td))["next"]
+        td["_reset"] = torch.tensor([[True], [False]])
+        env.reset(td)
+        stats = env.stats(workers=True)
+        assert (stats["reset_calls"], stats["resets"]) == (2, 3)
+        assert (stats["worker_0/resets"], stats["worker_1/resets"]) == (2, 1)
+        _assert_latencies(stats, "reset")
+    finally:
+        env.close(raise_if_closed=False)
+
+
+@pytest.mark.parametrize("method", STARTS)
+def test_resets_a_transform_asks_for_at_episode_ends_are_counted_per_worker(method: str) -> None:
+    """Around a ``TransformedEnv``, TorchRL's ``step_and_maybe_reset`` steps the env and then
+    resets only the workers whose episode ended, through a partial ``reset`` call."""
+    env = TransformedEnv(_short_episodes(method), StepCounter())
+    try:
+        td = env.reset()
+        transitions = []
+        for _ in range(12):
+            td.set("action", env.action_spec.rand())
+            step, td = env.step_and_maybe_reset(td)
+            transitions.append(step)
+        ends, boundaries = _ends(transitions)
+        stats = env.base_env.stats(workers=True)
+        assert stats["steps"] == 12 and stats["boundary_steps"] == 0
+        assert stats["reset_calls"] == 1 + boundaries
+        assert [stats[f"worker_{i}/resets"] for i in range(2)] == [1 + n for n in ends] == [7, 5]
+        assert stats["resets"] == 12
+        _assert_latencies(stats, "reset")
     finally:
         env.close(raise_if_closed=False)
 
@@ -110,9 +219,12 @@ def test_stats_count_losses_and_restarts_by_cause(method: str) -> None:
         victim = env.worker_pids[1]
         os.kill(victim, signal.SIGKILL)
         wait_until(lambda: env.stats()["deaths"] == 1, "the death counted by the supervisor")
-        env.step(env.rand_action(td))
+        step, _ = env.step_and_maybe_reset(env.rand_action(td))
+        assert step["next", "worker_restarted"].reshape(2).tolist() == [False, True]  # marked
         stats = env.stats(workers=True)
         assert (stats["restarts"], stats["restarts_died"], stats["restarts_hung"]) == (1, 1, 0)
+        # The mark is done, but no episode ended: the new worker's reset is the restart's.
+        assert (stats["worker_0/resets"], stats["worker_1/resets"], stats["boundary_steps"]) == (1, 1, 0)
         assert stats["restarts_error"] == 0 and stats["hangs"] == stats["env_errors"] == 0
         assert stats["worker_1/restarts"] == 1 and stats["worker_0/restarts"] == 0
         assert stats["seconds_since_restart"] >= 0 and stats["workers_alive"] == 2
@@ -195,7 +307,7 @@ def test_logger_monitor_logs_the_env_stats(tmp_path: Path) -> None:
         monitor.watch(env, name="env", step="steps")
         env.rollout(4)
         logged = monitor.step()
-        assert logged["env"]["env/steps"] == 4.0
+        assert logged["env"]["env/steps"] == 4.0 and logged["env"]["env/resets"] == 2.0
         assert "env/step_ms_p95" in logged["env"] and "env/tree_rss_bytes" in logged["env"]
         assert not any(math.isnan(v) for v in logged["env"].values())  # NaN entries are left out
         monitor.stop()

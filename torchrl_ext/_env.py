@@ -28,7 +28,7 @@ from ._policy import DEFAULT_RESTART_BACKOFF, RestartRecord
 from ._report import SupervisionReport
 from ._restart import raise_failure
 from ._start import EnvState, no_faults, preload_modules, spec_reader, start_workers
-from ._stats import snapshot
+from ._stats import RESET, STEP, STEP_AND_MAYBE_RESET, EpisodeEnds, snapshot
 from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor
 
 __all__ = ["DEFAULT_SHUTDOWN_TIMEOUT", "ManagedParallelEnv"]
@@ -212,9 +212,18 @@ class ManagedParallelEnv(ParallelEnv):
         convention: a flat mapping of scalars, safe to call from any thread while the env runs
         (no worker is asked anything), which ``LoggerMonitor(logger).watch(env)`` logs.
 
-        Keys: ``workers``, ``workers_alive``; ``steps`` and ``resets`` (batched calls: ``step``
-        and ``step_and_maybe_reset``, ``reset``); ``step_ms_p50``/``_p95``/``_max`` and the same
-        for ``reset`` over the last 1,024 calls (NaN before the first); ``wait_s``, the main
+        Keys: ``workers``, ``workers_alive``; ``steps``, the batched ``step`` and
+        ``step_and_maybe_reset`` calls, and ``boundary_steps``, those of the latter in which at
+        least one worker reset; ``resets``, the worker resets, each worker counted once per
+        reset wherever it happened (each worker a ``reset`` call asked to reset, partial resets
+        of some workers included, and each worker whose episode ended inside
+        ``step_and_maybe_reset``, read from the done entries of its transition; not the reset
+        a restart gives a new worker); ``reset_calls``, the batched ``reset`` calls, full or
+        partial (a reset inside ``step_and_maybe_reset`` is part of that step);
+        ``step_ms_p50``/``_p95``/``_max`` over the last 1,024 step calls, ``boundary_ms_...``
+        over the last 1,024 boundary steps (an episode boundary inside ``step_and_maybe_reset``:
+        step and reset together) and ``reset_ms_...`` over the last 1,024 reset calls, each the
+        whole call as the main process waits for it (NaN before the first); ``wait_s``, the main
         process's time waiting for its workers; ``restarts`` and ``restarts_died``,
         ``restarts_hung``, ``restarts_error`` by cause (lost workers); ``recycles``,
         ``recycles_memory``, ``recycles_episodes`` (``recycle_memory``, ``recycle_every``);
@@ -228,8 +237,9 @@ class ManagedParallelEnv(ParallelEnv):
         supervisor's thread at most once a second, USS and PSS every 10 s while stats are read
         (and with ``recycle_memory``, USS of a tree whose RSS is over it at each sample), NaN
         before the first sample or where ``/proc/PID/smaps_rollup`` cannot be read.
-        ``workers=True`` adds ``worker_<i>/pid``, ``/alive``, ``/restarts``, ``/recycles``,
-        ``/rss_bytes``, ``/pss_bytes``, ``/uss_bytes``, ``/descendants`` and ``/fds`` per slot.
+        ``workers=True`` adds ``worker_<i>/pid``, ``/alive``, ``/resets``, ``/restarts``,
+        ``/recycles``, ``/rss_bytes``, ``/pss_bytes``, ``/uss_bytes``, ``/descendants`` and
+        ``/fds`` per slot.
         ``reset=True`` clears the call counters, the latency windows and ``wait_s`` after the
         snapshot (the loss and restart counts are the env's history and stay). With
         ``collect_stats=False`` nothing is measured: the latencies and the tree are NaN or 0.
@@ -315,11 +325,14 @@ class ManagedParallelEnv(ParallelEnv):
         if not self._state.options.collect_stats:
             self._wait(workers_range)
             return
+        calls = self._state.stats.calls
+        if calls.in_flight == RESET:  # TorchRL waits for exactly the workers it asked to reset
+            calls.asked = Upstream(self).slots(workers_range)
         t0 = time.perf_counter()
         try:
             self._wait(workers_range)
         finally:
-            self._state.stats.calls.wait_s += time.perf_counter() - t0
+            calls.wait_s += time.perf_counter() - t0
 
     def _wait(self, workers_range: Any) -> None:
         state = self._state
@@ -341,26 +354,42 @@ class ManagedParallelEnv(ParallelEnv):
             flags, upstream.slots(workers_range), upstream.pipe_timeout, state.options.spin, supervisor.check
         )
 
-    def _measured(self, reset: bool, call: Callable[..., Any], tensordict: Any) -> Any:
-        """:meth:`_guarded`, its duration recorded for ``stats()`` (``collect_stats``)."""
+    def _measured(self, kind: str, call: Callable[..., Any], tensordict: Any) -> Any:
+        """:meth:`_guarded`, recorded for ``stats()`` (``collect_stats``): its duration, and
+        which workers reset in it. A call TorchRL makes inside a measured one (its
+        ``step_and_maybe_reset`` without buffers steps and resets through ``_step`` and
+        ``_reset``) is part of that one."""
         state = self._state
-        if not state.options.collect_stats:
+        calls = state.stats.calls
+        if calls.in_flight is not None or not state.options.collect_stats:
             return self._guarded(call, tensordict)
+        calls.begin(kind)
         t0 = time.perf_counter()
-        out = self._guarded(call, tensordict)
-        state.stats.calls.record(reset, time.perf_counter() - t0)
+        try:
+            out = self._guarded(call, tensordict)
+        finally:
+            calls.in_flight = None
+        seconds = time.perf_counter() - t0
+        if kind != STEP_AND_MAYBE_RESET:
+            calls.end(kind, seconds)
+            return out
+        ends = calls.ends
+        if ends is None:
+            ends = calls.ends = EpisodeEnds(self)
+        rows = ends.rows(self, out[0], tensordict)
+        calls.end(kind, seconds, Upstream(self).slots(rows) if rows else ())
         return out
 
     def _reset(self, tensordict: Any, **kwargs: Any) -> Any:
-        out = self._measured(True, functools.partial(super()._reset, **kwargs), tensordict)
+        out = self._measured(RESET, functools.partial(super()._reset, **kwargs), tensordict)
         self._state.engine.after_reset(Upstream(self), out)
         return out
 
     def _step(self, tensordict: Any) -> Any:
-        return self._measured(False, super()._step, tensordict)
+        return self._measured(STEP, super()._step, tensordict)
 
     def step_and_maybe_reset(self, tensordict: Any) -> Any:
-        return self._measured(False, super().step_and_maybe_reset, tensordict)
+        return self._measured(STEP_AND_MAYBE_RESET, super().step_and_maybe_reset, tensordict)
 
     def set_seed(self, seed: int | None = None, static_seed: bool = False) -> int | None:
         supervisor = self._check_failed()
@@ -422,6 +451,7 @@ class ManagedParallelEnv(ParallelEnv):
                     channel.close()
             if upstream.use_buffers:
                 upstream.drop_buffers()
+            state.stats.calls.ends = None  # it may hold views of the buffers
             # Empty lists, not deleted attributes: ParallelEnv.__getattr__ restarts workers.
             upstream.workers = SupervisedWorkers([], no_faults)
             upstream.channels = []

@@ -4,9 +4,10 @@ A cheap, flat mapping of scalars, safe to call from any thread while the env run
 ``torchrl.record.loggers.monitoring.LoggerMonitor`` polls and logs (see docs/watching.md).
 Where each number comes from::
 
-    env calling thread ──► CallStats: steps, resets, latency windows, the wait for the workers
+    env calling thread ──► CallStats: steps, worker resets (EpisodeEnds reads those inside
+                           step_and_maybe_reset), latency windows, the wait for the workers
                            (plain counters: one writer, no lock, nothing on the hot path but
-                           two clock reads and an append)
+                           two clock reads, an append and a look at the step's done bytes)
     supervisor thread  ──► TreeSampler.maybe_sample(): each worker's tree (the worker and all
                            its descendants) at most once per SAMPLE_INTERVAL: RSS, descendants,
                            open fds; USS and PSS (costly: smaps_rollup) at most once per
@@ -33,8 +34,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psutil
+import torch
+from tensordict import TensorDict
 
 from . import _identity, _platform
+from ._compat import Upstream
+from ._marks import RESTARTED_KEY
 
 if TYPE_CHECKING:
     from ._record import WorkerRecord
@@ -112,31 +117,157 @@ def _quantile(ordered: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+#: The kinds of measured call (:attr:`CallStats.in_flight`).
+STEP, RESET, STEP_AND_MAYBE_RESET = "step", "reset", "step_and_maybe_reset"
+
+
 @dataclass
 class CallStats:
-    """What the env's calling thread measures (it alone writes these fields)."""
+    """What the env's calling thread measures (it alone writes these fields; a reader's
+    ``stats(reset=True)`` clears the counters and windows).
 
+    A batched call counts once whatever the number of workers; a worker reset counts once per
+    worker that reset, wherever it happened.
+    """
+
+    #: Batched step calls: ``step`` and ``step_and_maybe_reset``.
     steps: int = 0
+    #: The ``step_and_maybe_reset`` calls in which at least one worker reset.
+    boundary_steps: int = 0
+    #: Worker resets: each worker a reset call asked to reset, and each worker whose transition
+    #: in a ``step_and_maybe_reset`` says it reset (:class:`EpisodeEnds`).
     resets: int = 0
+    #: Batched reset calls (``reset``, full or partial); a reset inside ``step_and_maybe_reset``
+    #: is part of that step.
+    reset_calls: int = 0
+    #: ``resets`` by the owner's worker slot (written by :meth:`end`; readers use ``.get``).
+    slot_resets: dict[int, int] = field(default_factory=dict)
     #: Seconds the main process spent waiting for its workers' answers.
     wait_s: float = 0.0
+    #: Every step call; the boundary steps among them; every reset call.
     step_latency: LatencyWindow = field(default_factory=LatencyWindow)
+    boundary_latency: LatencyWindow = field(default_factory=LatencyWindow)
     reset_latency: LatencyWindow = field(default_factory=LatencyWindow)
+    #: The kind of the measured call in flight (``None`` between calls; set and cleared by
+    #: the env around TorchRL's call): what TorchRL calls inside it is part of it.
+    in_flight: str | None = None
+    #: The slots the reset call in flight asked to reset (written by the env's wait).
+    asked: Sequence[int] = ()
+    #: Which rows of this env's transitions ended their episode; made at the first
+    #: ``step_and_maybe_reset`` of each start (from the env's done spec), dropped at close.
+    ends: EpisodeEnds | None = None
 
-    def record(self, reset: bool, seconds: float) -> None:
-        """One ``reset`` (else step) call that took ``seconds``."""
-        if reset:
-            self.resets += 1
+    def begin(self, kind: str) -> None:
+        self.in_flight, self.asked = kind, ()
+
+    def end(self, kind: str, seconds: float, reset_slots: Sequence[int] = ()) -> None:
+        """A call of ``kind`` returned after ``seconds``; a step's ``reset_slots`` reset in it
+        (a reset call's are those it asked)."""
+        if kind == RESET:
+            self.reset_calls += 1
             self.reset_latency.add(seconds)
+            reset_slots = self.asked
         else:
             self.steps += 1
             self.step_latency.add(seconds)
+            if not reset_slots:
+                return
+            self.boundary_steps += 1
+            self.boundary_latency.add(seconds)
+        self.resets += len(reset_slots)
+        counts = self.slot_resets
+        for slot in reset_slots:
+            counts[slot] = counts.get(slot, 0) + 1
 
     def clear(self) -> None:
-        self.steps = self.resets = 0
+        self.steps = self.boundary_steps = self.resets = self.reset_calls = 0
+        self.slot_resets = {}
         self.wait_s = 0.0
         self.step_latency.clear()
+        self.boundary_latency.clear()
         self.reset_latency.clear()
+
+
+class EpisodeEnds:
+    """Which workers reset inside one ``step_and_maybe_reset``, read from its transition.
+
+    A worker resets its env there when the env's ``any_done`` says so (TorchRL's rule, here
+    per row): with a root ``done`` and ``terminated`` in the done spec, ``("next", "done")``
+    alone; else any done entry. A restarted slot's marked transition (``worker_restarted``)
+    is done too, but no episode ended there: its new worker's reset belongs to the restart.
+
+    The hot path only looks for a set byte: in the owner's stacked shared buffer, where the
+    workers wrote the transition (its done entries kept as numpy views while the buffer lives),
+    else in the transition itself. The rows are read from the transition only when one is set.
+    """
+
+    __slots__ = ("_buffer", "_shared", "keys")
+
+    def __init__(self, env: Any) -> None:
+        names = set(env.full_done_spec.keys())
+        simple = "done" in names and "terminated" in names
+        #: The entries read, under ``"next"`` (one tuple each: one lookup).
+        self.keys: tuple[tuple[str, ...], ...] = tuple(
+            ("next", *((key,) if isinstance(key, str) else key))
+            for key in (["done"] if simple else env.done_keys)
+        )
+        #: The shared buffer ``_shared`` views (``None`` before the first look).
+        self._buffer: Any = None
+        #: Numpy views of ``_buffer``'s done entries (``None``: not a dense CPU buffer of
+        #: bools, as a view's or one without buffers; the transition is read instead).
+        self._shared: list[Any] | None = None
+
+    def rows(self, env: Any, transition: Any, given: Any) -> list[int]:
+        """The rows of ``transition`` (the output of ``env``'s step) whose episode ended,
+        among those ``given`` (the step's input) asked to step (its ``"_step"`` mask)."""
+        if not self._any_set(env, transition):
+            return []
+        ended = None
+        for key in self.keys:
+            value = transition.get(key, None)
+            if value is not None:
+                rows = value.cpu().reshape(value.shape[0], -1).any(-1)
+                ended = rows if ended is None else ended | rows
+        if ended is None:
+            return []
+        restarted = transition.get(("next", RESTARTED_KEY), None)
+        if restarted is not None:
+            ended &= ~restarted.cpu().reshape(ended.shape[0], -1).any(-1)
+        stepped = given.get("_step", None)
+        if stepped is not None:
+            ended &= stepped.cpu().reshape(ended.shape[0], -1).any(-1)
+        return [int(i) for i in ended.nonzero().flatten().tolist()]
+
+    def _any_set(self, env: Any, transition: Any) -> bool:
+        """Whether a done entry may be set (always True when one is; a row a partial step
+        skipped may keep an old one in the shared buffer)."""
+        buffer = Upstream(env).parent_buffer
+        if buffer is not self._buffer:
+            self._buffer, self._shared = buffer, self._views(buffer)
+        if self._shared is not None:
+            for flags in self._shared:  # noqa: SIM110 - a generator costs more, per step
+                if b"\x01" in flags.tobytes():
+                    return True
+            return False
+        for key in self.keys:
+            try:
+                value = transition.get(key)  # without a default: half the cost of one
+            except KeyError:
+                continue
+            if value.any():
+                return True
+        return False
+
+    def _views(self, buffer: Any) -> list[Any] | None:
+        if type(buffer) is not TensorDict:  # absent (no buffers), or a view's lazy stack
+            return None
+        views = []
+        for key in self.keys:
+            value = buffer.get(key, None)
+            if value is None or not (value.is_cpu and value.dtype is torch.bool and value.is_contiguous()):
+                return None
+            views.append(value.numpy())
+        return views
 
 
 @dataclass
@@ -327,9 +458,12 @@ def snapshot(
             "workers": num_workers,
             "workers_alive": sum(alive),
             "steps": calls.steps,
+            "boundary_steps": calls.boundary_steps,
             "resets": calls.resets,
+            "reset_calls": calls.reset_calls,
             "wait_s": calls.wait_s,
             **calls.step_latency.summary("step"),
+            **calls.boundary_latency.summary("boundary"),
             **calls.reset_latency.summary("reset"),
             "restarts": len(lost),
             "restarts_died": sum(isinstance(r.cause, int) for r in lost),
@@ -356,6 +490,7 @@ def snapshot(
                 sample = samples.get(slot)
                 prefix = f"worker_{slot}/"
                 out[prefix + "alive"] = int(slot < len(alive) and alive[slot])
+                out[prefix + "resets"] = calls.slot_resets.get(slot, 0)
                 out[prefix + "restarts"] = sum(r.slot == slot for r in lost)
                 out[prefix + "recycles"] = sum(r.slot == slot for r in restarts) - out[prefix + "restarts"]
                 if sample is not None:
