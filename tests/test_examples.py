@@ -73,10 +73,19 @@ def test_demo_quick_runs_and_leaks_nothing() -> None:
     assert "nothing leaked" in out and "env frames/s" in out and "graceful" in out, out
     assert "start path: preloaded" in out and "env.stats(workers=True):" in out, out
     assert re.search(r"worker 0: pid \d+, tree RSS \d+ MiB, 2 children", out), out
-    # The managed column of the comparison: its error, and nothing of the dead worker left.
+    # The comparison: both sides cold, each in its own interpreter, on its own default path.
+    assert re.search(r"start path\s+spawn\s+preloaded\n", out), out
+    assert re.search(r"cold start \(build \+ first reset\), s\s+\d+\.\d\s+\d+\.\d\n", out), out
+    # The managed column: its error, nothing of the dead worker left, nothing left at exit.
     assert re.search(r"the next call raises\s+\S+\s+WorkerDiedError", out), out
     assert re.search(r"alive 3 s later\s+\d of \d\s+0 of 2", out), out
-    assert re.search(r"left in /dev/shm after close\(\)\s+\d+\s+0\n", out), out
+    assert re.search(r"at the interpreter's exit: leaked semaphores\s+\d+\s+0\n", out), out
+    assert re.search(r"its processes alive 3 s after it\s+\d+\s+0\n", out), out
+    # What upstream's interpreter printed at its exit is counted in the table, not shown:
+    # the demo's own output ends with its summary, and its stderr is empty.
+    assert out.splitlines()[-1].startswith("nothing leaked"), out
+    assert re.search(r"^summary: ManagedParallelEnv", out, flags=re.MULTILINE), out
+    assert proc.stderr == "", proc.stderr[-4000:]
 
 
 def test_generated_files_parse_to_normalised_episodes(lr: ModuleType, logs: list[Path]) -> None:
