@@ -63,15 +63,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 #: The ``stats()`` key of a worker's memory, per slot (``worker_<i>/<key>``), and how it is named.
-#: MEMORY KEY: the tree's resident memory for now; when ``stats()`` gains the tree's unique
-#: memory (the measure ``recycle_memory`` is to use), read that key here instead.
-WORKER_MEMORY_KEY, WORKER_MEMORY_LABEL = "rss_bytes", "tree RSS"
+#: The tree's unique memory (USS: pages no other process maps), what ``recycle_memory`` counts;
+#: its resident memory (``rss_bytes``) counts each page the DataLoader workers share with the
+#: env worker once per process (NaN where /proc/PID/smaps_rollup cannot be read).
+WORKER_MEMORY_KEY, WORKER_MEMORY_LABEL = "uss_bytes", "tree USS"
 
 
 def print_stats(stats: dict[str, float | int]) -> None:
     """The env's ``stats()``, as a table (see docs/watching.md)."""
     print("env.stats(workers=True):")
-    for key in ("steps", "resets", "step_ms_p50", "step_ms_p95", "reset_ms_p95", "wait_s", "restarts"):
+    keys = ("steps", "boundary_steps", "resets", "step_ms_p50", "step_ms_p95", "boundary_ms_p95")
+    for key in (*keys, "wait_s", "restarts"):
         value = stats[key]
         print(f"  {key:<26} {value:.2f}" if isinstance(value, float) else f"  {key:<26} {value}")
     slot = 0
