@@ -179,6 +179,7 @@ HOOKS = {
         ("_wait_for_workers", "sleep instead of spinning; restarts and hangs", (0, 11)),
         ("_make_batched_view", "restarts reach a view's worker lists", (0, 14)),
         ("_cleanup_failed_worker_startup", "our start-up abort does it", (0, 14)),
+        ("_send_worker_buffers", "the buffers' hand-off, recorded for replacements (#4341)", (0, 15)),
     )
 }
 
@@ -203,7 +204,12 @@ class Upstream:
     workers: _Attr[Any] = _Attr("_workers", "the worker processes; become our SupervisedWorkers list")
     channels: _Attr[list[Any]] = _Attr("parent_channels", "the command pipes; wrapped by the supervisor")
     mp_start_method: _Attr[str | None] = _Attr("_mp_start_method", "the start method asked for")
-    use_buffers: _Attr[bool] = _Attr("_use_buffers", "shared-buffer mode (restarts and our wait need it)")
+    use_buffers: _Attr[bool | None] = _Attr(
+        "_use_buffers", "shared-buffer mode (restarts and our wait need it); None: not resolved yet"
+    )
+    metadata_from_workers: _Attr[bool | None] = _Attr(
+        "_metadata_from_workers", "workers report the specs; >= 0.15 resolves use_buffers after", (0, 14)
+    )
     non_tensor_keys: _Attr[list[Any]] = _Attr("_non_tensor_keys", "restarts refuse non-tensor specs")
     events: _Attr[list[Any] | None] = _Attr("_events", "per-worker done events (TorchRL 0.10)")
     step_event: _Attr[Any] = _Attr("event", "the env's CUDA event; cleared on close")

@@ -275,6 +275,12 @@ class ManagedParallelEnv(ParallelEnv):
     def _start_workers(self) -> None:
         start_workers(self, self._state, super()._start_workers)
 
+    def _send_worker_buffers(self) -> None:
+        """TorchRL >= 0.15 (#4341) hands each worker that sent its specs the shared buffers;
+        what it sent is recorded, so that a replacement gets the same hand-off."""
+        with self._state.engine.launcher.recording_handoff(Upstream(self)):
+            super()._send_worker_buffers()  # type: ignore[misc,unused-ignore]
+
     def _cleanup_failed_worker_startup(self) -> None:
         """TorchRL >= 0.14 calls this on a failed start; ``_start.abort_start`` does it instead."""
 

@@ -82,11 +82,13 @@ class _ManagedEntry:
         self._name = name
         self._previous = previous
 
-    def __call__(self, **kwargs: Any) -> None:
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
         key = WORKER_KWARGS["env_kwargs"]
         env_kwargs = kwargs.get(key)
-        if not isinstance(env_kwargs, ConfiguredKwargs):
-            self._previous(**kwargs)
+        if args or not isinstance(env_kwargs, ConfiguredKwargs):
+            # Not a start of ours: TorchRL >= 0.15's direct loop calls the shared-memory loop
+            # positionally, with the env it built, on the shared buffers' hand-off.
+            self._previous(*args, **kwargs)
             return
         kwargs[key] = dict(env_kwargs)
         config = env_kwargs.trx_config

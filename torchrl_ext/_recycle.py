@@ -198,7 +198,7 @@ class Recycler:
         phase, late = "build its env", None
         while True:
             if launch.channel.poll(0):
-                if not greet(launch):
+                if not greet(launch, engine.answer_limit(env)):
                     break
                 seed = self._standby_seed.get(slot)
                 if seed is not None:

@@ -9,12 +9,14 @@ needs (the templates recorded at the env's start, how it started, the reaper's F
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import logging
 import multiprocessing.connection
 import time
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +46,8 @@ __all__ = [
     "send_seed",
 ]
 
+log = logging.getLogger("torchrl_ext")
+
 #: Longest pause between checks while replacements start or answer.
 POLL_SLICE = 0.02
 #: How long the supervisor may take to handle a worker's exit (its tree's SIGKILL included).
@@ -62,6 +66,9 @@ class Launch:
     done_event: Any
     #: ``time.monotonic()`` when it was started.
     launched_at: float
+    #: TorchRL >= 0.15's metadata path: the shared buffers' hand-off its slot got at the
+    #: env's start, sent again once it reports its specs (``None``: it answers "started").
+    handoff: Any = None
     #: Set once it said it built its env and was sent "init".
     ready: bool = False
 
@@ -70,7 +77,8 @@ class Launcher:
     """Starts copies of the slots' recorded worker processes and installs them in the env.
 
     Fields and who changes them (the env's calling thread only): ``templates``, ``plan`` and
-    ``fifo`` are set at each start (:meth:`adopt`) and dropped at close (:meth:`forget`);
+    ``fifo`` are set at each start (the engine's ``adopt``), ``handoffs`` during it, and all
+    are dropped at close (:meth:`forget`);
     ``views`` holds weak references to the indexed views whose lists must follow a slot.
     """
 
@@ -81,6 +89,13 @@ class Launcher:
         self.plan: StartPlan | None = None
         self.fifo = ""
         self.views: list[weakref.ref[Any]] = []
+        #: Per slot, what TorchRL >= 0.15 sent it at this start's buffers hand-off (#4341);
+        #: ``None`` where the start had none. Set by :meth:`recording_handoff`, dropped at close.
+        self.handoffs: list[Any] | None = None
+
+    def forget(self) -> None:
+        """At close: what this start recorded holds the shared buffers and the done flags."""
+        self.templates, self.plan, self.handoffs = [], None, None
 
     def launch(self, slot: int, tag: Any) -> Launch:
         """Start a copy of slot ``slot``'s worker on a fresh pipe and event (not installed:
@@ -104,7 +119,20 @@ class Launcher:
         with tagged_spawns(tag):
             process.start()
         child_pipe.close()
-        return Launch(slot, process, parent_pipe, event, time.monotonic())
+        handoff = self.handoffs[slot] if self.handoffs is not None else None
+        return Launch(slot, process, parent_pipe, event, time.monotonic(), handoff)
+
+    @contextlib.contextmanager
+    def recording_handoff(self, env: Upstream) -> Iterator[None]:
+        """Around TorchRL's ``_send_worker_buffers``: record what it sends each worker."""
+        channels = env.channels
+        recorders = [_FirstSent(channel) for channel in channels]
+        env.channels = recorders
+        try:
+            yield
+        finally:
+            env.channels = channels
+        self.handoffs = [recorder.first for recorder in recorders]
 
     def install(self, env: Upstream, launch: Launch, channel: Any) -> None:
         """Put ``launch`` (recorded by the supervisor as ``channel``) in the owner's lists and
@@ -137,6 +165,22 @@ class Launcher:
         factories = env.owner.factories
         fn = factories[slot] if isinstance(factories, list | tuple) and slot < len(factories) else factories
         return describe_factory(fn)
+
+
+class _FirstSent:
+    """A parent channel that remembers the first message sent through it."""
+
+    def __init__(self, channel: Any) -> None:
+        self._channel = channel
+        self.first: Any = None
+
+    def send(self, message: Any) -> None:
+        if self.first is None:
+            self.first = message
+        self._channel.send(message)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._channel, name)
 
 
 def describe_factory(fn: Any) -> str:
@@ -196,20 +240,47 @@ def handshake(supervisor: WorkerSupervisor, launches: Collection[Launch], limit:
     since = {launch.slot: launch.launched_at for launch in launches}
     lost, late = await_all(supervisor, waits, limit, channels, since)
     for launch in launches:
-        if launch.slot not in lost and not greet(launch):
+        if launch.slot not in lost and not greet(launch, limit):
             supervisor.wait_handled(launch.slot, LOSS_WAIT)
             lost.add(launch.slot)
     return late
 
 
-def greet(launch: Launch) -> bool:
-    """The end of TorchRL's handshake with one launch whose "started" is in its pipe: read it,
-    send "init"; ``launch`` is then ``ready``. False if it died while building its env (EOF)."""
-    if not read_answer(launch.channel):
+def greet(launch: Launch, limit: float) -> bool:
+    """The end of TorchRL's handshake with one launch whose first answer is in its pipe: read
+    it ("started"; or its specs, then :func:`hand_off`), send "init"; ``launch`` is then
+    ``ready``. False if it died while building its env (EOF), or failed the hand-off."""
+    if launch.handoff is not None:
+        if not hand_off(launch, limit):
+            return False
+    elif not read_answer(launch.channel):
         return False
     launch.channel.send(("init", None))
     launch.ready = True
     return True
+
+
+def hand_off(launch: Launch, limit: float) -> bool:
+    """TorchRL >= 0.15's metadata path (#4341), for one launch whose specs are in its pipe:
+    send it its slot's shared buffers as the start did, and read its "started" (``limit``
+    seconds at most: a worker silent that long is killed). False if it failed on the way."""
+    channel = launch.channel
+    try:
+        kind, detail = channel.recv()  # ("metadata", specs) or ("metadata_error", traceback)
+    except Exception:
+        return False
+    if kind != "metadata":
+        pid = launch.process.pid
+        log.warning("worker slot %d (pid %s) could not build its env:\n%s", launch.slot, pid, detail)
+        return False
+    channel.send(launch.handoff)
+    if not multiprocessing.connection.wait([channel, launch.process.sentinel], timeout=limit):
+        launch.process.kill()  # its loss is handled by the supervisor, as any death
+        return False
+    try:
+        return bool(channel.recv() == "started")
+    except Exception:
+        return False
 
 
 def send_seed(launch: Launch, seed: int, static: bool) -> None:

@@ -118,8 +118,7 @@ class RestartEngine:
     def forget(self) -> None:
         """At close: the templates hold the shared buffers and the done flags; recycling
         starts over with the next start (its standbys were ended with the workers)."""
-        self.launcher.templates = []
-        self.launcher.plan = None
+        self.launcher.forget()
         self.recycler.forget()
 
     def attached(self, env: Any, supervisor: WorkerSupervisor) -> None:

@@ -299,7 +299,9 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
     if current.daemon:
         raise DaemonicParentError(current.name)
     upstream = Upstream(env)
-    if options.own_wait:
+    # TorchRL >= 0.15 resolves an unset use_buffers once the workers sent their specs.
+    check_after = options.own_wait and upstream.use_buffers is None and bool(upstream.metadata_from_workers)
+    if options.own_wait and not check_after:
         _check_restartable(upstream)
     plan = StartPlan.make(options, state.preload_modules, upstream.mp_start_method)
     tag = new_env_tag()
@@ -361,8 +363,10 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
         upstream.env_kwargs = user_kwargs
     processes: list[Any] = upstream.workers
     try:
+        if check_after:
+            _check_restartable(upstream, resolved_by_torchrl=True)
         engine.adopt(started, len(processes), plan, fifo)
-    except RuntimeError as err:
+    except (RuntimeError, ValueError) as err:
         abort_start(env, supervisor, err, options.shutdown_timeout)
         raise
     # Losses (not failures) from here on: the start succeeded (a failed one reports deaths).
@@ -401,13 +405,14 @@ def explain_pickling(err: BaseException, plan: StartPlan, factories: Any, kwargs
             return
 
 
-def _check_restartable(env: Upstream) -> None:
+def _check_restartable(env: Upstream, resolved_by_torchrl: bool = False) -> None:
     """Restarts and hang detection work on TorchRL's shared buffers, with tensors only."""
     if not env.use_buffers:
+        resolved = " (TorchRL chose it: the workers' specs are dynamic)" if resolved_by_torchrl else ""
         raise ValueError(
             "max_restarts, step_timeout and recycling need TorchRL's shared buffers; this env has "
-            "use_buffers=False. Pass use_buffers=True, or max_restarts=0, step_timeout=None and no "
-            "recycle_memory/recycle_every."
+            f"use_buffers=False{resolved}. Pass use_buffers=True, or max_restarts=0, "
+            "step_timeout=None and no recycle_memory/recycle_every."
         )
     if env.non_tensor_keys:
         raise ValueError(
