@@ -7,13 +7,20 @@ the workers import by reference (``restart_policy.make_policy_env``, as ``overhe
 
 1. **Recycling bounds memory.** Every reset of the env keeps ``--growth-mib`` more (a bytearray
    with every page touched, held in a list on the env); its episodes are a few steps long.
-   A probe env (2 workers, default start: forks of the preloaded server) is reset once and its
-   worker trees' RSS (psutil, worker and ``children(recursive=True)``) is the baseline; the
-   measured env is ``ManagedParallelEnv(2, factory, recycle_memory=baseline + --headroom-mib,
+   A worker tree's memory is measured as ``recycle_memory`` counts it: its USS, the sum over the
+   worker and its descendants (psutil ``children(recursive=True)``) of
+   ``torchrl_ext._platform.process_memory(pid).uss`` (``/proc/PID/smaps_rollup``: the resident
+   pages no other process maps). Where ``smaps_rollup`` cannot be read (``process_memory``
+   returns ``None``: macOS, ``TORCHRL_EXT_PORTABLE=1``) the library counts RSS, and so does this
+   measurement, which the report then says. A probe env (2 workers, default start: forks of the
+   preloaded server) is reset once and its larger worker tree is the baseline; the measured env
+   is ``ManagedParallelEnv(2, factory, recycle_memory=baseline + --headroom-mib,
    max_restarts=1)`` (``max_restarts`` so that ``("next", "worker_restarted")`` exists), run with
    ``step_and_maybe_reset`` (as a collector does) for ``--episodes`` episodes per slot, ten times
    and more the episodes that fit under the cap. At every call in which a slot's episode ended,
-   that slot's worker tree RSS is read with psutil; the maximum is reported.
+   that slot's worker tree is read; the maximum is reported, with the largest
+   ``worker_<i>/uss_bytes`` of ``stats(workers=True)`` read every 50 calls (``rss_bytes`` in
+   the fallback).
 2. **A recycled reset costs about a normal one.** Resets take a stable time (``--reset-sleep``
    seconds, a cost model, plus building a ``--reset-tensor-mib`` tensor, 4 MiB by default);
    2 workers, default start,
@@ -72,8 +79,8 @@ CELLS = ("memory", "reset_cost", "parallel")
 FIT_FACTOR = 10
 RESET_RATIO = 1.1
 PARALLEL_RATIO = 1.5
-#: Allowance over cap + one episode's growth for the max tree RSS (page and allocator rounding).
-RSS_SLACK = 2 * MIB
+#: Allowance over cap + one episode's growth for the max tree memory (page and allocator rounding).
+MEMORY_SLACK = 2 * MIB
 #: Episode lengths of the two slots of measurement 2.
 RESET_COST_LENGTHS = (5, 7)
 RECYCLE_EVERY = 3
@@ -125,8 +132,19 @@ def make_policy_env_ref() -> Any:
 # ============================================================================ child trials
 
 
-def tree_rss(pid: int) -> int | None:
-    """Bytes resident in ``pid`` and all its descendants (``None``: gone)."""
+def memory_measure() -> str:
+    """``"USS"`` where ``process_memory`` can read ``smaps_rollup`` (what ``recycle_memory``
+    counts then), else ``"RSS"`` (the library's fallback too)."""
+    from torchrl_ext import _platform
+
+    return "USS" if _platform.process_memory(os.getpid()) is not None else "RSS"
+
+
+def tree_memory(pid: int, measure: str) -> int | None:
+    """``pid``'s tree (it and all its descendants), summed: their USS
+    (``process_memory(pid).uss``) or, with ``measure`` ``"RSS"``, their RSS (``None``: gone)."""
+    from torchrl_ext import _platform
+
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
@@ -134,8 +152,12 @@ def tree_rss(pid: int) -> int | None:
         return None
     total = 0
     for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            total += proc.memory_info().rss
+        if measure == "USS":
+            memory = _platform.process_memory(proc.pid)
+            total += memory.uss if memory is not None else 0  # None: gone meanwhile
+        else:
+            with contextlib.suppress(psutil.Error):
+                total += proc.memory_info().rss
     return total
 
 
@@ -178,12 +200,14 @@ def trial_memory(spec: dict[str, Any]) -> dict[str, Any]:
     factory = functools.partial(
         make_policy_env_ref(), episode_len=int(spec["episode_len"]), grow_mib=spec["growth_mib"]
     )
-    out: dict[str, Any] = {}
+    measure = memory_measure()
+    stats_key = "uss_bytes" if measure == "USS" else "rss_bytes"
+    out: dict[str, Any] = {"measure": measure}
     probe = ManagedParallelEnv(n, factory)
     try:
         probe.reset()
         out["probe_start_method"] = probe.start_method
-        baselines = [tree_rss(pid) or 0 for pid in probe.worker_pids]
+        baselines = [tree_memory(pid, measure) or 0 for pid in probe.worker_pids]
     finally:
         probe.close(raise_if_closed=False)
     baseline = max(baselines)
@@ -197,9 +221,9 @@ def trial_memory(spec: dict[str, Any]) -> dict[str, Any]:
         td = env.reset()
         out["start_method"] = env.start_method
         pids.update(env.worker_pids)
-        out["baselines"] = [tree_rss(pid) or 0 for pid in env.worker_pids]
+        out["baselines"] = [tree_memory(pid, measure) or 0 for pid in env.worker_pids]
         episodes = [0] * n
-        max_rss = [0] * n
+        max_tree = [0] * n
         stats_max = [0.0] * n
         marked = 0
         key_seen = False
@@ -216,13 +240,13 @@ def trial_memory(spec: dict[str, Any]) -> dict[str, Any]:
             pids.update(current)
             for slot in _ended(nxt, n):
                 episodes[slot] += 1
-                rss = tree_rss(current[slot])
-                if rss is not None:
-                    max_rss[slot] = max(max_rss[slot], rss)
+                held = tree_memory(current[slot], measure)
+                if held is not None:
+                    max_tree[slot] = max(max_tree[slot], held)
             if steps % 50 == 0:
                 stats = env.stats(workers=True)
                 for slot in range(n):
-                    value = float(stats.get(f"worker_{slot}/rss_bytes", math.nan))
+                    value = float(stats.get(f"worker_{slot}/{stats_key}", math.nan))
                     if not math.isnan(value):
                         stats_max[slot] = max(stats_max[slot], value)
         out["run_s"] = time.perf_counter() - t0
@@ -230,8 +254,8 @@ def trial_memory(spec: dict[str, Any]) -> dict[str, Any]:
         out.update(
             episodes=episodes,
             steps=steps,
-            max_tree_rss=max_rss,
-            stats_max_rss=stats_max,
+            max_tree=max_tree,
+            stats_max=stats_max,
             marked=marked,
             marked_key_present=key_seen,
             recycles_memory=sum(1 for r in records if r.cause == "memory"),
@@ -531,26 +555,43 @@ def _memory_section(
     trials: Sequence[dict[str, Any]], args: argparse.Namespace
 ) -> tuple[list[str], list[str]]:
     runs = _cells(trials, "memory")
+    measures = sorted({r["measure"] for r in runs}) or ["USS"]
+    measure = "/".join(measures)  # one of them: every trial ran on this machine
+    if "RSS" in measures:
+        how = (
+            "**RSS, not USS: `/proc/PID/smaps_rollup` cannot be read here (`process_memory` "
+            "returned `None`), so `recycle_memory` counts the trees' RSS, and so does this "
+            "table** (psutil, the worker and its descendants)"
+        )
+    else:
+        how = (
+            "USS, as `recycle_memory` counts it: over the worker and its descendants, the sum of "
+            "`torchrl_ext._platform.process_memory(pid).uss` (`smaps_rollup`: the resident pages "
+            "no other process maps)"
+        )
+    key = "uss_bytes" if measure == "USS" else "rss_bytes"
     lines = [
         "## 1. Recycling bounds memory",
         "",
         f"2 workers, default start, `PolicyEnv(episode_len={args.episode_len}, "
         f"grow_mib={args.growth_mib:g})`: "
-        f"every reset keeps {args.growth_mib:g} MiB more. `recycle_memory` = the worker tree RSS of a probe "
-        f"env after its first reset + {args.headroom_mib:g} MiB, `max_restarts=1`; `step_and_maybe_reset` "
-        f"until every slot ran {args.episodes} episodes; the slot's worker tree RSS read with psutil at "
-        "every call in which its episode ended.",
+        f"every reset keeps {args.growth_mib:g} MiB more. A worker tree's memory is its {how}. "
+        f"`recycle_memory` = the larger worker tree of a probe env after its first reset + "
+        f"{args.headroom_mib:g} MiB, `max_restarts=1`; `step_and_maybe_reset` until every slot ran "
+        f"{args.episodes} episodes; the slot's worker tree read at every call in which its episode "
+        f"ended; `stats(workers=True)['worker_<i>/{key}']` read every 50 calls (the library "
+        "samples it at most every 10 s: report only).",
         "",
-        "| trial | start | baseline | cap | episodes fit | episodes per slot | max tree RSS per slot | "
-        "over cap | stats() max rss per slot | recycles (memory) per slot | marked | other restarts | "
-        "recycle reset median |",
+        f"| trial | start | baseline {measure} | cap | episodes fit | episodes per slot | "
+        f"max tree {measure} per slot | over cap | stats() max {key} per slot | "
+        "recycles (memory) per slot | marked | other restarts | recycle reset median |",
         "|" + "---|" * 13,
     ]
     for i, r in enumerate(runs):
         lines.append(
             f"| {i + 1} | {r['start_method']} | {_mib(r['baseline'])} | {_mib(r['cap'])} | {r['fit']} | "
-            f"{r['episodes']} | {', '.join(_mib(v) for v in r['max_tree_rss'])} | "
-            f"{_mib(max(r['max_tree_rss']) - r['cap'])} | {', '.join(_mib(v) for v in r['stats_max_rss'])} | "
+            f"{r['episodes']} | {', '.join(_mib(v) for v in r['max_tree'])} | "
+            f"{_mib(max(r['max_tree']) - r['cap'])} | {', '.join(_mib(v) for v in r['stats_max'])} | "
             f"{r['recycles_per_slot']} | {r['marked']} | {len(r['not_recycled'])} | "
             f"{_ms(_med(r['recycle_ready_after']))} |"
         )
@@ -566,7 +607,7 @@ def _memory_section(
         lines.append("")
     ok = bool(runs)
     min_ratio = min((min(r["episodes"]) / max(r["fit"], 1) for r in runs), default=math.nan)
-    over = max((max(r["max_tree_rss"]) - r["cap"] for r in runs), default=math.nan)
+    over = max((max(r["max_tree"]) - r["cap"] for r in runs), default=math.nan)
     growth = args.growth_mib * MIB
     marked = sum(r["marked"] for r in runs)
     others = sum(len(r["not_recycled"]) for r in runs)
@@ -578,9 +619,9 @@ def _memory_section(
         f"* 0 marked transitions (`worker_restarted` present and never True) and 0 restarts that are "
         f"not recycles: {marked} marked, key present {present}, {others} other restarts -> "
         f"{_verdict(ok and marked == 0 and present and others == 0)}",
-        f"* max worker tree RSS <= cap + one episode's growth ({args.growth_mib:g} MiB, + "
-        f"{RSS_SLACK // MIB} MiB rounding): {_mib(over)} over the cap at most -> "
-        f"{_verdict(ok and over <= growth + RSS_SLACK)}",
+        f"* max worker tree {measure} <= cap + one episode's growth ({args.growth_mib:g} MiB, + "
+        f"{MEMORY_SLACK // MIB} MiB rounding): {_mib(over)} over the cap at most -> "
+        f"{_verdict(ok and over <= growth + MEMORY_SLACK)}",
         f'* recycles (cause "memory"): {recycles} in {len(runs)} trial(s) (report only)',
     ]
     return lines, targets
