@@ -9,8 +9,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
-import importlib
-import inspect
 import re
 import types
 from pathlib import Path
@@ -20,60 +18,10 @@ import pytest
 from torchrl.envs import ParallelEnv, batched_envs
 
 from tests.envs import make_env
-from torchrl_ext import ManagedParallelEnv, _compat, _intercept, _patch
+from torchrl_ext import ManagedParallelEnv, UnsupportedTorchRLError, _compat, _intercept, _patch
 
 
-@dataclasses.dataclass
-class _Sources:
-    """Where each kind of inventory row is looked up; :func:`_without` takes one name away."""
-
-    modules: dict[str, Any]
-    env: Any
-    view: Any
-    env_class: Any
-    worker_params: frozenset[str]
-    loop_source: str
-
-
-def _installed_sources(env: Any, view: Any) -> _Sources:
-    entry = batched_envs._run_worker_pipe_shared_mem
-    return _Sources(
-        modules={"": batched_envs, "_utils": importlib.import_module("torchrl._utils")},
-        env=env,
-        view=view,
-        env_class=ParallelEnv,
-        worker_params=frozenset(inspect.signature(entry).parameters),
-        loop_source=inspect.getsource(entry),
-    )
-
-
-def _has(target: Any, name: str) -> bool:
-    return target is not None and (name in vars(target) or hasattr(type(target), name))
-
-
-def _missing(sources: _Sources, release: tuple[int, int]) -> list[str]:
-    """The inventory rows that ``sources`` lack (rows newer than ``release`` are not required)."""
-    found = []
-    for row in _compat.INVENTORY:
-        if row.since is not None and release < row.since:
-            continue
-        if row.kind == "module":
-            module, _, attr = row.name.rpartition(".")
-            present = hasattr(sources.modules[module], attr)
-        elif row.kind in ("env", "view"):
-            present = _has(sources.env if row.kind == "env" else sources.view, row.name)
-        elif row.kind in ("class", "hook"):
-            present = hasattr(sources.env_class, row.name)
-        elif row.kind == "worker_kwarg":
-            present = row.name in sources.worker_params
-        else:  # a command: TorchRL's worker loop compares against its name
-            present = re.search(rf"""["']{re.escape(row.name)}["']""", sources.loop_source) is not None
-        if not present:
-            found.append(str(row))
-    return found
-
-
-def _without(sources: _Sources, row: _compat.Private) -> _Sources:
+def _without(sources: _compat.Installed, row: _compat.Private) -> _compat.Installed:
     """``sources`` as they would be had TorchRL renamed ``row``'s name away."""
     name = row.name
     if row.kind == "module":
@@ -95,6 +43,10 @@ def _without(sources: _Sources, row: _compat.Private) -> _Sources:
     return dataclasses.replace(sources, loop_source=re.sub(pattern, "'renamed'", sources.loop_source))
 
 
+def _missing(sources: _compat.Installed, release: tuple[int, int]) -> list[str]:
+    return [str(row) for row in _compat.missing(sources, release)]
+
+
 @pytest.fixture(scope="module")
 def started_sources() -> Any:
     """The installed TorchRL's names, read from a started managed env and, from TorchRL 0.14
@@ -103,7 +55,7 @@ def started_sources() -> Any:
     try:
         env.reset()
         view = env[0:1] if _compat.torchrl_release() >= (0, 14) else None
-        yield _installed_sources(env, view)
+        yield _compat.Installed.read(env, view)
     finally:
         env.close()
 
@@ -125,6 +77,22 @@ def test_the_inventory_check_fails_when_that_name_is_removed(started_sources: An
         pytest.skip(f"{row.name} is only required from TorchRL {row.since} on")  # an older release
     assert _missing(started_sources, release) == []
     assert _missing(_without(started_sources, row), release) == [str(row)]
+
+
+@pytest.mark.compat
+def test_a_release_lacking_an_internal_is_refused_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An untested TorchRL that dropped a name we use: the env says so when it is built, naming
+    the name and the tested releases, instead of misbehaving later."""
+    _compat.check_supported.cache_clear()
+    monkeypatch.delattr(batched_envs, "_run_worker_pipe_direct")
+    try:
+        with pytest.raises(UnsupportedTorchRLError) as info:
+            ManagedParallelEnv(2, make_env, mp_start_method="fork")
+        message = str(info.value)
+        assert "module _run_worker_pipe_direct" in message and _compat.TESTED_RELEASES in message
+        assert "torchrl.envs.ParallelEnv" in message
+    finally:
+        _compat.check_supported.cache_clear()
 
 
 #: TorchRL's own private names, as the inventory declares them (the commands are plain words;

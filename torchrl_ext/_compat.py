@@ -11,7 +11,8 @@ unknown name to the workers, and restarts closed ones), the module-level names
 (:func:`_module_name`), the worker function's keyword arguments (:data:`WORKER_KWARGS`), the
 worker loop's commands (:data:`COMMANDS`) and the methods we override (:data:`HOOKS`). The
 declarations make :data:`INVENTORY`, which ``tests/test_compat.py`` checks on the installed
-release (:func:`missing_names`): a rename upstream fails there, naming what it was for.
+release (:func:`missing`), and every env at construction (:func:`check_supported`): a rename
+upstream fails there, naming what it was for.
 
 The patches of those names live in ``_intercept`` (worker entries, start context, fault check,
 spec reading) and follow one rule (:class:`~torchrl_ext._patch.ScopedPatch`): a module
@@ -31,16 +32,19 @@ by our worker entry before TorchRL's worker function runs, so the factory receiv
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.metadata
 import inspect
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar, overload
 
 import torchrl
-from torchrl.envs import ParallelEnv
+from torchrl.envs import ParallelEnv, batched_envs
+
+from ._errors import UnsupportedTorchRLError
 
 __all__ = [
     "COMMANDS",
@@ -50,11 +54,15 @@ __all__ = [
     "INVENTORY",
     "NO_PIPE_ANSWER",
     "PER_START_KWARGS",
+    "TESTED_RELEASES",
     "UPSTREAM_DEFAULTS",
     "WORKER_KWARGS",
+    "Installed",
     "Private",
     "Upstream",
+    "check_supported",
     "default_start_method",
+    "missing",
     "torchrl_default_start_method",
     "torchrl_release",
 ]
@@ -330,3 +338,71 @@ def default_start_method(requested: str | None = None) -> str:
     if requested is not None:
         return requested
     return torchrl_default_start_method() or "spawn"  # TorchRL 0.10: spawn when none is given
+
+
+# --------------------------------------------------------------------------- the check
+#: The releases the test suites run on (``make test``); named in :class:`UnsupportedTorchRLError`.
+TESTED_RELEASES = "0.10.1, 0.14.1 and 0.15 (as torchrl-nightly 2026.10.27)"
+
+
+@dataclass(frozen=True)
+class Installed:
+    """Where each kind of inventory row is looked up on the installed TorchRL. ``env`` and
+    ``view`` (a started batched env and an indexed view of it) are optional: without them,
+    their rows are not checked."""
+
+    modules: Mapping[str, Any]
+    env_class: Any
+    worker_params: frozenset[str]
+    loop_source: str
+    env: Any = None
+    view: Any = None
+
+    @classmethod
+    def read(cls, env: Any = None, view: Any = None) -> Installed:
+        entry = batched_envs._run_worker_pipe_shared_mem
+        return cls(
+            modules={"": batched_envs, "_utils": importlib.import_module("torchrl._utils")},
+            env_class=ParallelEnv,
+            worker_params=frozenset(inspect.signature(entry).parameters),
+            loop_source=inspect.getsource(entry),
+            env=env,
+            view=view,
+        )
+
+
+def _has(target: Any, name: str) -> bool:
+    return target is not None and (name in vars(target) or hasattr(type(target), name))
+
+
+def missing(installed: Installed, release: Release) -> list[Private]:
+    """The inventory rows ``installed`` lacks (rows newer than ``release`` are not required)."""
+    found = []
+    for row in INVENTORY:
+        if row.since is not None and release < row.since:
+            continue
+        if row.kind == "module":
+            module, _, attr = row.name.rpartition(".")
+            present = hasattr(installed.modules[module], attr)
+        elif row.kind in ("env", "view"):
+            target = installed.env if row.kind == "env" else installed.view
+            present = target is None or _has(target, row.name)
+        elif row.kind in ("class", "hook"):
+            present = hasattr(installed.env_class, row.name)
+        elif row.kind == "worker_kwarg":
+            present = row.name in installed.worker_params
+        else:  # a command: TorchRL's worker loop compares against its name
+            present = re.search(rf"""["']{re.escape(row.name)}["']""", installed.loop_source) is not None
+        if not present:
+            found.append(row)
+    return found
+
+
+@functools.cache
+def check_supported() -> None:
+    """Raise :class:`UnsupportedTorchRLError` if the installed TorchRL lacks a name of the
+    inventory that can be checked without an env (all but instance attributes); once."""
+    lacking = missing(Installed.read(), torchrl_release())
+    if lacking:
+        version = str(getattr(torchrl, "__version__", "?"))
+        raise UnsupportedTorchRLError(version, [str(row) for row in lacking], TESTED_RELEASES)

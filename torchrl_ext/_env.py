@@ -20,7 +20,13 @@ from typing import Any
 from torchrl.envs import EnvBase, ParallelEnv
 
 from . import _lifecycle, _reaper_client
-from ._compat import HAS_DAEMON_KWARG, HAS_SHUTDOWN_TIMEOUT_KWARG, Upstream, default_start_method
+from ._compat import (
+    HAS_DAEMON_KWARG,
+    HAS_SHUTDOWN_TIMEOUT_KWARG,
+    Upstream,
+    check_supported,
+    default_start_method,
+)
 from ._intercept import SupervisedWorkers
 from ._marks import add_restart_keys
 from ._options import DEFAULT_SHUTDOWN_TIMEOUT, Options
@@ -150,6 +156,7 @@ class ManagedParallelEnv(ParallelEnv):
         **kwargs: Any,
     ) -> None:
         options = Options.from_arguments(locals())
+        check_supported()
         modules = preload_modules(options, create_env_fn, kwargs.get("mp_start_method"))
         self.__dict__["_trx"] = EnvState(options, modules)
         if HAS_DAEMON_KWARG:

@@ -18,6 +18,7 @@ __all__ = [
     "OomKill",
     "PreloadError",
     "RemoteTraceback",
+    "UnsupportedTorchRLError",
     "WorkerDiedError",
     "WorkerEnvError",
     "WorkerHungError",
@@ -396,3 +397,20 @@ class PreloadError(ImportError):
         >>> isinstance(err, ImportError), err.name
         (True, 'mymod')
     """
+
+
+class UnsupportedTorchRLError(RuntimeError):
+    """The installed TorchRL lacks internals ``ManagedParallelEnv`` relies on (a release it was
+    not tested on renamed or dropped them): raised at construction, naming each one."""
+
+    def __init__(self, version: str, lacking: list[str], tested: str) -> None:
+        names = "; ".join(lacking)
+        super().__init__(
+            f"torchrl_ext cannot supervise workers on TorchRL {version}: it lacks {names}. "
+            f"torchrl_ext is tested on TorchRL {tested}. Install one of those, or use "
+            "torchrl.envs.ParallelEnv (no supervision), and please report this."
+        )
+        self.version, self.lacking, self.tested = version, lacking, tested
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.version, self.lacking, self.tested))

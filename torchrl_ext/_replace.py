@@ -270,8 +270,8 @@ def hand_off(launch: Launch, limit: float) -> bool:
     except Exception:
         return False
     if kind != "metadata":
-        pid = launch.process.pid
-        log.warning("worker slot %d (pid %s) could not build its env:\n%s", launch.slot, pid, detail)
+        slot, pid = launch.slot, launch.process.pid
+        log.warning("ManagedParallelEnv worker %d (pid %s) could not build its env:\n%s", slot, pid, detail)
         return False
     channel.send(launch.handoff)
     if not multiprocessing.connection.wait([channel, launch.process.sentinel], timeout=limit):
