@@ -220,7 +220,7 @@ def trial_memory(spec: dict[str, Any]) -> dict[str, Any]:
                 if rss is not None:
                     max_rss[slot] = max(max_rss[slot], rss)
             if steps % 50 == 0:
-                stats = env.stats(workers=True)
+                stats = env.stats(workers="both")
                 for slot in range(n):
                     value = float(stats.get(f"worker_{slot}/rss_bytes", math.nan))
                     if not math.isnan(value):
