@@ -3,7 +3,7 @@
 Four measurements, every trial in a fresh interpreter, the two classes interleaved:
 
 * steps/s on a trivial env (2 workers, median of interleaved repeats, paired ratio), and
-  ManagedParallelEnv with its statistics on (read with ``stats(workers=True)`` every 100 steps,
+  ManagedParallelEnv with its statistics on (read with ``stats(workers="both")`` every 100 steps,
   as a ``LoggerMonitor`` would) against off (``collect_stats=False``), measured as
   ``stats_overhead.py`` does (both envs in one interpreter, stepped in turn, the supervisor's
   sampling CPU charged to the on side: a 1 % effect is below the noise of fresh-interpreter
@@ -173,7 +173,7 @@ def _rollout(env: Any, steps: int, read_stats: bool = False) -> None:
         td.set("action", env.action_spec.rand())
         _, td = env.step_and_maybe_reset(td)
         if read_stats and i % 100 == 0:
-            env.stats(workers=True)
+            env.stats(workers="both")
 
 
 def _tree_cpu() -> float:

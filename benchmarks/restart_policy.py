@@ -244,7 +244,7 @@ def trial_memory(spec: dict[str, Any]) -> dict[str, Any]:
                 if held is not None:
                     max_tree[slot] = max(max_tree[slot], held)
             if steps % 50 == 0:
-                stats = env.stats(workers=True)
+                stats = env.stats(workers="both")
                 for slot in range(n):
                     value = float(stats.get(f"worker_{slot}/{stats_key}", math.nan))
                     if not math.isnan(value):

@@ -1,7 +1,7 @@
 """What ``stats()`` costs: ManagedParallelEnv with statistics on against off, to the permille.
 
 Each trial is one fresh interpreter that builds both envs (2 workers each, fork, the trivial env
-of ``overhead.py``): ``collect_stats=True``, read with ``stats(workers=True)`` every 100 steps as
+of ``overhead.py``): ``collect_stats=True``, read with ``stats(workers="both")`` every 100 steps as
 a ``LoggerMonitor`` would, and ``collect_stats=False``. After a warm-up it steps them in turn,
 one step each (on, off, off, on, ...), and adds up the time of each side's steps, the
 ``stats()`` reads included; a trial's ratio is off's time over on's, that is on's steps/s over
@@ -40,7 +40,7 @@ from _machine import run_script_child, wait_for_quiet
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Steps of each env before the timed ones.
 WARMUP = 300
-#: ``stats(workers=True)`` is read on the "on" side once every ``READ_EVERY`` steps.
+#: ``stats(workers="both")`` is read on the "on" side once every ``READ_EVERY`` steps.
 READ_EVERY = 100
 
 
@@ -89,7 +89,7 @@ def trial(steps: int, first: str = "on") -> dict[str, Any]:
                 tds[side].set("action", env.action_spec.rand())
                 _, tds[side] = env.step_and_maybe_reset(tds[side])
                 if side == "on" and i % READ_EVERY == 0:
-                    env.stats(workers=True)
+                    env.stats(workers="both")
                 if i >= WARMUP:
                     spent[side] += clock() - t
         wall = clock() - wall0
@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{time.strftime('%Y-%m-%d %H:%M')}; {os.cpu_count()} CPU cores, Python {platform.python_version()}, "
         f"torch {torch.__version__.split('+')[0]}; {(time.perf_counter() - started) / 60:.1f} min. "
         f"{trials} trials, each one interpreter with both envs (2 workers, fork), {steps} timed steps "
-        f"of each, interleaved step by step; `stats(workers=True)` read every {READ_EVERY} steps on. "
+        f"of each, interleaved step by step; `stats(workers='both')` read every {READ_EVERY} steps on. "
         "Supervisor CPU: each env's supervisor thread, in % of one core over the trial.",
         "",
         *table(done),

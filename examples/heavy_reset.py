@@ -71,7 +71,7 @@ WORKER_MEMORY_KEY, WORKER_MEMORY_LABEL = "uss_bytes", "tree USS"
 
 def print_stats(stats: dict[str, float | int]) -> None:
     """The env's ``stats()``, as a table (see docs/watching.md)."""
-    print("env.stats(workers=True):")
+    print('env.stats(workers="both"):')
     keys = ("steps", "boundary_steps", "resets", "step_ms_p50", "step_ms_p95", "boundary_ms_p95")
     for key in (*keys, "wait_s", "restarts"):
         value = stats[key]
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
             _, td = env.step_and_maybe_reset(td)
             frames += args.envs
         elapsed = time.perf_counter() - t
-        print_stats(env.stats(workers=True))
+        print_stats(env.stats(workers="both"))
     finally:
         t_close = time.perf_counter()
         env.close()

@@ -71,7 +71,7 @@ def test_demo_quick_runs_and_leaks_nothing() -> None:
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     out = proc.stdout
     assert "nothing leaked" in out and "env frames/s" in out and "graceful" in out, out
-    assert "start path: preloaded" in out and "env.stats(workers=True):" in out, out
+    assert "start path: preloaded" in out and 'env.stats(workers="both"):' in out, out
     assert re.search(r"worker 0: pid \d+, tree USS \d+ MiB, 2 children", out), out
     # The comparison: both sides cold, each in its own interpreter, on its own default path.
     assert re.search(r"start path\s+spawn\s+preloaded\n", out), out

@@ -76,7 +76,7 @@ def test_recycle_every_runs_each_worker_for_that_many_episodes(method: str, tmp_
             lambda: not any(psutil.pid_exists(p) and _running(p) for p in old), "recycled workers gone"
         )
         assert old <= _closed_pids(tmp_path)  # each one closed its env: a graceful end
-        stats = env.stats(workers=True)
+        stats = env.stats(workers="both")
         assert stats["recycles"] == stats["recycles_episodes"] == len(records)
         assert stats["restarts"] == 0 and stats["deaths"] == 0
     finally:
@@ -346,7 +346,7 @@ def test_recycle_memory_recycles_only_the_leaking_worker_of_an_env_with_dataload
         records = env.restarts
         assert len(records) >= 2 and all(r.slot == 3 and r.cause == "memory" for r in records), records
         assert env.worker_pids[:3] == healthy
-        stats = env.stats(workers=True)
+        stats = env.stats(workers="both")
         assert stats["recycles_memory"] == stats["recycles"] == len(records) and stats["restarts"] == 0
     finally:
         env.close()

@@ -106,7 +106,7 @@ def test_stats_and_status_show_each_trees_unique_memory(method: str) -> None:
         floor = [hold + c[0].memory_full_info().uss for c in children]
 
         def sampled() -> Any:
-            s = env.stats(workers=True)
+            s = env.stats(workers="both")
             uss = [s.get(f"worker_{i}/uss_bytes", math.nan) for i in range(2)]
             return s["descendants"] == 2 and all(u >= f for u, f in zip(uss, floor, strict=True)) and s
 

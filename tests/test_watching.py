@@ -8,6 +8,7 @@ import os
 import pickle
 import signal
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -57,10 +58,89 @@ def test_stats_count_calls_and_their_latencies(method: str) -> None:
         assert env.stats()["steps"] == 5
         # reset=True: this snapshot as it is, then the call counters and windows start over.
         assert env.stats(reset=True)["steps"] == 5
-        after = env.stats(workers=True)
+        after = env.stats(workers="both")
         assert after["steps"] == after["resets"] == after["reset_calls"] == after["wait_s"] == 0
         assert after["worker_0/resets"] == after["worker_1/resets"] == 0
         assert all(math.isnan(after[key]) for key in LATENCIES)
+    finally:
+        env.close(raise_if_closed=False)
+
+
+# --------------------------------------------------------------------------- the views
+#: In every view, as in TorchRL's multi-process collectors' ``stats(workers=...)``.
+ALWAYS = {"workers", "workers_alive"}
+#: The env's keys: ``"aggregate"`` and ``"both"`` only.
+AGGREGATE = {
+    "steps", "boundary_steps", "resets", "reset_calls", "wait_s", *LATENCIES,
+    "restarts", "restarts_died", "restarts_hung", "restarts_error",
+    "recycles", "recycles_memory", "recycles_episodes", "deaths", "hangs", "env_errors",
+    "seconds_since_restart", "tree_rss_bytes", "tree_pss_bytes", "tree_uss_bytes", "descendants", "fds",
+}  # fmt: skip
+#: Each slot's keys once its tree was sampled: ``"per_worker"`` and ``"both"`` only.
+SLOT_METRICS = (
+    "alive", "resets", "restarts", "recycles",
+    "pid", "rss_bytes", "pss_bytes", "uss_bytes", "descendants", "fds",
+)  # fmt: skip
+PER_WORKER = {f"worker_{i}/{metric}" for i in range(2) for metric in SLOT_METRICS}
+
+
+def _sampled(env: ManagedParallelEnv) -> dict[str, float | int]:
+    """A ``"both"`` snapshot once the supervisor sampled both workers' trees (once a second)."""
+
+    def both() -> dict[str, float | int] | None:
+        stats = env.stats(workers="both")
+        return stats if all(f"worker_{i}/pid" in stats for i in range(2)) else None
+
+    return wait_until(both, "a sample of both workers' trees")
+
+
+@pytest.mark.parametrize("method", STARTS)
+def test_stats_views_are_torchrl_collectors_aggregate_per_worker_and_both(method: str) -> None:
+    """``"aggregate"`` (the default) the env's keys, ``"per_worker"`` the slots' instead (no
+    aggregate key), ``"both"`` the union; ``workers`` and ``workers_alive`` in each; no warning."""
+    env = _env(method)
+    try:
+        env.rollout(3)
+        both = _sampled(env)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a view is not the deprecated bool
+            aggregate = env.stats(workers="aggregate")
+            per_worker = env.stats(workers="per_worker")
+            default = env.stats()
+        assert set(aggregate) == set(default) == ALWAYS | AGGREGATE, set(aggregate) ^ (ALWAYS | AGGREGATE)
+        assert set(per_worker) == ALWAYS | PER_WORKER, set(per_worker) ^ (ALWAYS | PER_WORKER)
+        assert set(both) == ALWAYS | AGGREGATE | PER_WORKER, set(both) ^ (ALWAYS | AGGREGATE | PER_WORKER)
+        assert per_worker["workers"] == aggregate["workers"] == 2 and per_worker["workers_alive"] == 2
+        assert [per_worker[f"worker_{i}/pid"] for i in range(2)] == env.worker_pids
+        assert [per_worker[f"worker_{i}/resets"] for i in range(2)] == [1, 1]
+        assert aggregate["steps"] == both["steps"] == 3 and aggregate["resets"] == 2
+        # reset=True clears the call counters whatever the view.
+        assert env.stats(workers="per_worker", reset=True)["worker_0/resets"] == 1
+        assert env.stats()["steps"] == 0
+    finally:
+        env.close(raise_if_closed=False)
+
+
+@pytest.mark.parametrize("method", STARTS)
+def test_stats_bool_workers_is_deprecated_and_other_values_are_refused(method: str) -> None:
+    """``True`` and ``False`` (the former argument) still return what they did, ``"both"`` and
+    ``"aggregate"``, with a ``DeprecationWarning`` naming the replacement, pointed at the caller."""
+    env = _env(method)
+    try:
+        env.rollout(3)
+        both = set(_sampled(env))
+        for value, view in ((True, "both"), (False, "aggregate")):
+            with pytest.warns(DeprecationWarning, match=f"pass workers='{view}'") as caught:
+                old = env.stats(workers=value)
+            assert [w.filename for w in caught] == [__file__], [str(w.message) for w in caught]
+            assert set(old) == set(env.stats(workers=view))
+        with pytest.warns(DeprecationWarning):
+            assert set(env.stats(workers=True)) == both  # as before: the env's keys and every slot's
+        for bad in ("all", "per-worker", "Both", None, 1, ["both"]):
+            with pytest.raises(
+                ValueError, match=r"^workers must be one of 'aggregate', 'per_worker' or 'both', got "
+            ):
+                env.stats(workers=bad)  # type: ignore[arg-type]
     finally:
         env.close(raise_if_closed=False)
 
@@ -117,7 +197,7 @@ def test_stats_count_each_workers_resets_inside_step_and_maybe_reset(method: str
             transitions.append(step)
         ends, boundaries = _ends(transitions)
         assert ends == [12 // n for n in EPISODE_STEPS]  # 6 and 4: the envs' own episodes
-        stats = env.stats(workers=True)
+        stats = env.stats(workers="both")
         assert stats["steps"] == 12 and stats["reset_calls"] == 1
         # Every worker's reset once: the first reset, then one per episode end.
         assert [stats[f"worker_{i}/resets"] for i in range(2)] == [1 + n for n in ends]
@@ -138,7 +218,7 @@ def test_a_partial_reset_counts_only_the_workers_it_resets(method: str) -> None:
         td = env.step(env.rand_action(td))["next"]
         td["_reset"] = torch.tensor([[True], [False]])
         env.reset(td)
-        stats = env.stats(workers=True)
+        stats = env.stats(workers="both")
         assert (stats["reset_calls"], stats["resets"]) == (2, 3)
         assert (stats["worker_0/resets"], stats["worker_1/resets"]) == (2, 1)
         _assert_latencies(stats, "reset")
@@ -159,7 +239,7 @@ def test_resets_a_transform_asks_for_at_episode_ends_are_counted_per_worker(meth
             step, td = env.step_and_maybe_reset(td)
             transitions.append(step)
         ends, boundaries = _ends(transitions)
-        stats = env.base_env.stats(workers=True)
+        stats = env.base_env.stats(workers="both")
         assert stats["steps"] == 12 and stats["boundary_steps"] == 0
         assert stats["reset_calls"] == 1 + boundaries
         assert [stats[f"worker_{i}/resets"] for i in range(2)] == [1 + n for n in ends] == [7, 5]
@@ -189,7 +269,7 @@ def test_stats_sample_each_workers_tree_dataloader_workers_included(method: str)
         # both DataLoader workers of each worker and a PSS.
         stats = wait_until(
             lambda: (
-                (s := env.stats(workers=True))["descendants"] == 4
+                (s := env.stats(workers="both"))["descendants"] == 4
                 and not math.isnan(s["tree_pss_bytes"])
                 and s
             ),
@@ -206,7 +286,7 @@ def test_stats_sample_each_workers_tree_dataloader_workers_included(method: str)
         assert stats["fds"] == sum(stats[f"worker_{i}/fds"] for i in range(2))
     finally:
         env.close(raise_if_closed=False)
-    closed = env.stats(workers=True)
+    closed = env.stats(workers="both")
     assert closed["workers_alive"] == 0 and closed["tree_rss_bytes"] == 0
     assert closed["worker_0/alive"] == 0 and "worker_0/rss_bytes" not in closed
 
@@ -221,7 +301,7 @@ def test_stats_count_losses_and_restarts_by_cause(method: str) -> None:
         wait_until(lambda: env.stats()["deaths"] == 1, "the death counted by the supervisor")
         step, _ = env.step_and_maybe_reset(env.rand_action(td))
         assert step["next", "worker_restarted"].reshape(2).tolist() == [False, True]  # marked
-        stats = env.stats(workers=True)
+        stats = env.stats(workers="both")
         assert (stats["restarts"], stats["restarts_died"], stats["restarts_hung"]) == (1, 1, 0)
         # The mark is done, but no episode ended: the new worker's reset is the restart's.
         assert (stats["worker_0/resets"], stats["worker_1/resets"], stats["boundary_steps"]) == (1, 1, 0)
@@ -263,7 +343,7 @@ def test_stats_are_safe_to_read_from_another_thread_while_stepping() -> None:
     def reader() -> None:
         while not stop.is_set():
             try:
-                env.stats(workers=True)
+                env.stats(workers="both")
                 reads[0] += 1
             except BaseException as err:  # reported below
                 errors.append(err)

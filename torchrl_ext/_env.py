@@ -34,7 +34,7 @@ from ._policy import DEFAULT_RESTART_BACKOFF, RestartRecord
 from ._report import SupervisionReport
 from ._restart import raise_failure
 from ._start import EnvState, no_faults, preload_modules, spec_reader, start_workers
-from ._stats import RESET, STEP, STEP_AND_MAYBE_RESET, EpisodeEnds, snapshot
+from ._stats import RESET, STEP, STEP_AND_MAYBE_RESET, EpisodeEnds, StatsView, snapshot, stats_view
 from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor
 
 __all__ = ["DEFAULT_SHUTDOWN_TIMEOUT", "ManagedParallelEnv"]
@@ -214,12 +214,21 @@ class ManagedParallelEnv(ParallelEnv):
         """Every worker restart of this env so far, oldest first (see ``max_restarts``)."""
         return list(self._state.engine.restarts)
 
-    def stats(self, *, workers: bool = False, reset: bool = False) -> dict[str, float | int]:
+    def stats(
+        self, *, workers: StatsView | bool = "aggregate", reset: bool = False
+    ) -> dict[str, float | int]:
         """A cheap snapshot of what the env's workers did and use, in TorchRL's ``stats()``
         convention: a flat mapping of scalars, safe to call from any thread while the env runs
         (no worker is asked anything), which ``LoggerMonitor(logger).watch(env)`` logs.
 
-        Keys: ``workers``, ``workers_alive``; ``steps``, the batched ``step`` and
+        ``workers`` chooses the view, as for TorchRL's multi-process collectors:
+        ``"aggregate"`` (default), the env's keys; ``"per_worker"``, the keys of each slot
+        ``i``, ``worker_<i>/<metric>``, instead; ``"both"``, the union. ``workers`` and
+        ``workers_alive`` are in every view. A bool, this method's former argument, is
+        deprecated (``DeprecationWarning``): ``True`` is ``"both"``, ``False`` is
+        ``"aggregate"``. Any other value raises ``ValueError``.
+
+        The env's keys: ``steps``, the batched ``step`` and
         ``step_and_maybe_reset`` calls, and ``boundary_steps``, those of the latter in which at
         least one worker reset; ``resets``, the worker resets, each worker counted once per
         reset wherever it happened (each worker a ``reset`` call asked to reset, partial resets
@@ -244,20 +253,29 @@ class ManagedParallelEnv(ParallelEnv):
         supervisor's thread at most once a second, USS and PSS every 10 s while stats are read
         (and with ``recycle_memory``, USS of a tree whose RSS is over it at each sample), NaN
         before the first sample or where ``/proc/PID/smaps_rollup`` cannot be read.
-        ``workers=True`` adds ``worker_<i>/pid``, ``/alive``, ``/resets``, ``/restarts``,
-        ``/recycles``, ``/rss_bytes``, ``/pss_bytes``, ``/uss_bytes``, ``/descendants`` and
-        ``/fds`` per slot.
+        Each slot's keys: ``worker_<i>/alive``, ``/resets``, ``/restarts``, ``/recycles``, and
+        once its tree was sampled ``/pid``, ``/rss_bytes``, ``/pss_bytes``, ``/uss_bytes``,
+        ``/descendants`` and ``/fds``.
         ``reset=True`` clears the call counters, the latency windows and ``wait_s`` after the
-        snapshot (the loss and restart counts are the env's history and stay). With
-        ``collect_stats=False`` nothing is measured: the latencies and the tree are NaN or 0.
+        snapshot, whatever the view (the loss and restart counts are the env's history and
+        stay). With ``collect_stats=False`` nothing is measured: the latencies and the tree are
+        NaN or 0.
 
         Example:
-            >>> from torchrl.envs import PendulumEnv  # doctest: +SKIP
-            >>> env = ManagedParallelEnv(2, PendulumEnv, mp_start_method="fork")  # doctest: +SKIP
-            >>> _ = env.rollout(10)  # doctest: +SKIP
-            >>> env.stats()["steps"]  # doctest: +SKIP
-            10
+            >>> from torchrl.envs import PendulumEnv
+            >>> env = ManagedParallelEnv(2, PendulumEnv, mp_start_method="fork")  # not started yet
+            >>> sorted(env.stats(workers="per_worker"))
+            ['worker_0/alive', 'worker_0/recycles', 'worker_0/resets', 'worker_0/restarts',
+             'worker_1/alive', 'worker_1/recycles', 'worker_1/resets', 'worker_1/restarts',
+             'workers', 'workers_alive']
+            >>> stats = env.stats(workers="both")
+            >>> stats["steps"], stats["workers_alive"], stats["worker_1/resets"]
+            (0, 0, 0)
+            >>> "worker_0/alive" in env.stats()  # "aggregate"
+            False
+            >>> env.close(raise_if_closed=False)
         """
+        view = stats_view(workers)
         state = self._state
         supervisor = state.supervisor
         alive = supervisor.alive() if supervisor is not None else []
@@ -266,7 +284,7 @@ class ManagedParallelEnv(ParallelEnv):
             num_workers=int(self.num_workers),
             alive=alive,
             restarts=list(state.engine.restarts),
-            workers=workers,
+            view=view,
             reset=reset,
         )
 

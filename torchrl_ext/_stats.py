@@ -29,9 +29,10 @@ import dataclasses
 import math
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import psutil
 import torch
@@ -50,9 +51,11 @@ __all__ = [
     "WATCH_SHARE",
     "WINDOW",
     "EnvStats",
+    "StatsView",
     "TreeSample",
     "sample_tree",
     "snapshot",
+    "stats_view",
 ]
 
 #: Calls kept in each latency window (p50, p95 and max are over the last ``WINDOW`` calls).
@@ -436,6 +439,45 @@ class EnvStats:
         publish(self.status_path, self.label, owner, rows, None if last is None else 1e3 * last)
 
 
+#: What ``stats(workers=...)`` returns, named as TorchRL's multi-process collectors name it:
+#: ``"aggregate"`` the env's keys, ``"per_worker"`` the slots' keys (``worker_<i>/<metric>``)
+#: instead, ``"both"`` the union; ``workers`` and ``workers_alive`` are in every view.
+StatsView = Literal["aggregate", "per_worker", "both"]
+_VIEWS: tuple[StatsView, ...] = get_args(StatsView)
+
+
+def stats_view(workers: object) -> StatsView:
+    """``stats()``'s ``workers`` argument as a view. A bool (this library's former spelling)
+    still works, with a ``DeprecationWarning`` naming its replacement (``True``: ``"both"``,
+    ``False``: ``"aggregate"``), attributed to the caller of ``stats()``; anything else that is
+    not a view raises ``ValueError``.
+
+    Example:
+        >>> stats_view("per_worker")
+        'per_worker'
+        >>> stats_view("all")
+        Traceback (most recent call last):
+        ...
+        ValueError: workers must be one of 'aggregate', 'per_worker' or 'both', got 'all' (str)
+    """
+    if isinstance(workers, bool):
+        view: StatsView = "both" if workers else "aggregate"
+        warnings.warn(
+            f"stats(workers={workers}) is deprecated: pass workers={view!r}, as for TorchRL's "
+            f"collectors (a bool will be refused in a future release)",
+            DeprecationWarning,
+            stacklevel=3,  # the caller of ManagedParallelEnv.stats()
+        )
+        return view
+    for view in _VIEWS:
+        if isinstance(workers, str) and workers == view:
+            return view
+    raise ValueError(
+        f"workers must be one of 'aggregate', 'per_worker' or 'both', got {workers!r} "
+        f"({type(workers).__name__})"
+    )
+
+
 #: Restart causes counted as hangs: no answer within ``step_timeout`` or ``start_timeout``.
 _HANGS = ("hung", "start_timeout")
 
@@ -446,46 +488,21 @@ def snapshot(
     num_workers: int,
     alive: Sequence[bool],
     restarts: Sequence[Any],
-    workers: bool,
+    view: StatsView,
     reset: bool,
 ) -> dict[str, float | int]:
-    """The flat mapping ``ManagedParallelEnv.stats()`` returns (see its docstring)."""
+    """The flat mapping ``ManagedParallelEnv.stats()`` returns (see its docstring): ``workers``
+    and ``workers_alive``, then the env's keys (``view`` ``"aggregate"`` or ``"both"``) and the
+    slots' keys (``"per_worker"`` or ``"both"``)."""
     with stats.reading:
         stats.sampler.read_at = time.monotonic()
-        calls, losses = stats.calls, stats.losses
+        calls = stats.calls
         lost = [r for r in restarts if not r.recycled]
-        out: dict[str, float | int] = {
-            "workers": num_workers,
-            "workers_alive": sum(alive),
-            "steps": calls.steps,
-            "boundary_steps": calls.boundary_steps,
-            "resets": calls.resets,
-            "reset_calls": calls.reset_calls,
-            "wait_s": calls.wait_s,
-            **calls.step_latency.summary("step"),
-            **calls.boundary_latency.summary("boundary"),
-            **calls.reset_latency.summary("reset"),
-            "restarts": len(lost),
-            "restarts_died": sum(isinstance(r.cause, int) for r in lost),
-            "restarts_hung": sum(r.cause in _HANGS for r in lost),
-            "restarts_error": sum(isinstance(r.cause, str) and r.cause not in _HANGS for r in lost),
-            "recycles": len(restarts) - len(lost),
-            "recycles_memory": sum(r.cause == "memory" for r in restarts),
-            "recycles_episodes": sum(r.cause == "episodes" for r in restarts),
-            "deaths": losses.deaths,
-            "hangs": losses.hangs,
-            "env_errors": losses.env_errors,
-            "seconds_since_restart": time.time() - lost[-1].time if lost else float("nan"),
-        }
         samples = {slot: s for slot, s in stats.sampler.samples.items() if slot < len(alive) and alive[slot]}
-        out.update(
-            tree_rss_bytes=sum(s.rss for s in samples.values()),
-            tree_pss_bytes=_total(s.pss for s in samples.values()),
-            tree_uss_bytes=_total(s.uss for s in samples.values()),
-            descendants=sum(s.descendants for s in samples.values()),
-            fds=sum(s.fds for s in samples.values()),
-        )
-        if workers:
+        out: dict[str, float | int] = {"workers": num_workers, "workers_alive": sum(alive)}
+        if view != "per_worker":
+            out.update(_aggregate(stats, restarts, lost, samples))
+        if view != "aggregate":
             for slot in range(num_workers):
                 sample = samples.get(slot)
                 prefix = f"worker_{slot}/"
@@ -503,6 +520,39 @@ def snapshot(
         if reset:
             calls.clear()
     return out
+
+
+def _aggregate(
+    stats: EnvStats, restarts: Sequence[Any], lost: Sequence[Any], samples: dict[int, TreeSample]
+) -> dict[str, float | int]:
+    """The env's keys: the calls, losses and restarts, and the sums over the live trees."""
+    calls, losses = stats.calls, stats.losses
+    return {
+        "steps": calls.steps,
+        "boundary_steps": calls.boundary_steps,
+        "resets": calls.resets,
+        "reset_calls": calls.reset_calls,
+        "wait_s": calls.wait_s,
+        **calls.step_latency.summary("step"),
+        **calls.boundary_latency.summary("boundary"),
+        **calls.reset_latency.summary("reset"),
+        "restarts": len(lost),
+        "restarts_died": sum(isinstance(r.cause, int) for r in lost),
+        "restarts_hung": sum(r.cause in _HANGS for r in lost),
+        "restarts_error": sum(isinstance(r.cause, str) and r.cause not in _HANGS for r in lost),
+        "recycles": len(restarts) - len(lost),
+        "recycles_memory": sum(r.cause == "memory" for r in restarts),
+        "recycles_episodes": sum(r.cause == "episodes" for r in restarts),
+        "deaths": losses.deaths,
+        "hangs": losses.hangs,
+        "env_errors": losses.env_errors,
+        "seconds_since_restart": time.time() - lost[-1].time if lost else float("nan"),
+        "tree_rss_bytes": sum(s.rss for s in samples.values()),
+        "tree_pss_bytes": _total(s.pss for s in samples.values()),
+        "tree_uss_bytes": _total(s.uss for s in samples.values()),
+        "descendants": sum(s.descendants for s in samples.values()),
+        "fds": sum(s.fds for s in samples.values()),
+    }
 
 
 def _total(values: Iterable[int | None]) -> float | int:
