@@ -4,11 +4,15 @@ PYTHON ?= python3
 TORCH := torch==2.13.0
 TORCHRL := torchrl==0.14.1
 TORCHRL_OLD := "torchrl==0.10.1" "tensordict>=0.10,<0.11"
+# TorchRL 0.15 as the registry serves it today: the nightly build that carries #4341 (the
+# worker hand-off of 0.15.0). Distinct package names, so the library goes in with --no-deps.
+# Once torchrl==0.15.0 is served: "torchrl==0.15.0" "tensordict>=0.15,<0.16".
+TORCHRL_015 := "torchrl-nightly==2026.10.27" "tensordict-nightly==2026.10.26"
 PIP_FLAGS := -q --disable-pip-version-check
 # Every test run carries this tag; the leak fixture looks for processes that inherited it.
 export TORCHRL_EXT_TEST_SESSION ?= make-$(shell date +%s)-$$PPID
 
-.PHONY: demo test lint test-main test-compat test-stress docs bench clean try-torchrl
+.PHONY: demo test lint test-main test-compat test-torchrl015 test-stress docs bench clean try-torchrl
 
 .venv/.ready: pyproject.toml Makefile
 	test -x .venv/bin/python || $(PYTHON) -m venv .venv
@@ -21,6 +25,13 @@ export TORCHRL_EXT_TEST_SESSION ?= make-$(shell date +%s)-$$PPID
 	.venv-torchrl010/bin/pip install $(PIP_FLAGS) $(TORCH)
 	.venv-torchrl010/bin/pip install $(PIP_FLAGS) $(TORCHRL_OLD) psutil numpy pytest pytest-timeout
 	.venv-torchrl010/bin/pip install $(PIP_FLAGS) --no-deps -e .
+	touch $@
+
+.venv-torchrl015/.ready: pyproject.toml Makefile
+	test -x .venv-torchrl015/bin/python || $(PYTHON) -m venv .venv-torchrl015
+	.venv-torchrl015/bin/pip install $(PIP_FLAGS) $(TORCH)
+	.venv-torchrl015/bin/pip install $(PIP_FLAGS) $(TORCHRL_015) psutil numpy pytest pytest-timeout
+	.venv-torchrl015/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	touch $@
 
 demo: .venv/.ready
@@ -37,7 +48,30 @@ test-main: .venv/.ready
 test-compat: .venv-torchrl010/.ready
 	.venv-torchrl010/bin/python -m pytest -m compat
 
-test: lint test-main test-compat
+# What a TorchRL release other than the main suite's must pass, each test once: the internals
+# inventory (tests/test_compat.py) and the contract suite against upstream (tests/contract), then
+# the tests marked compat outside those two (theirs ran in the first command). Both commands run
+# whatever the first gives, and the recipe fails if either failed. $(1): the venv; $(2): more
+# pytest arguments for both.
+NEXT_SUITE := tests/test_compat.py tests/contract
+define next_suite
+	status=0; \
+	$(1)/bin/python -m pytest $(2) $(NEXT_SUITE) || status=$$?; \
+	$(1)/bin/python -m pytest $(2) -m compat $(addprefix --ignore=,$(NEXT_SUITE)) || status=$$?; \
+	exit $$status
+endef
+
+# TorchRL 0.15 (the stand-in build until the registry serves 0.15.0), in CI's time budget: the
+# cases parametrized on spawn are left to the main suite (27 of 475 cases, 38 % of this suite's
+# test time: 897 of 2371 s, measured on 2 loaded cores). On 0.15 TorchRL's own default start method is spawn, so the
+# upstream side of every contract case on the default path still runs spawned workers, and the
+# managed spawn path differs from forkserver (which runs) only in how the worker process is
+# created, which does not depend on the TorchRL release: 0.14.1 and 0.10.1 run it. The run ends
+# with a DESELECTED line saying how many cases it left out; `make try-torchrl` runs them all.
+test-torchrl015: .venv-torchrl015/.ready
+	$(call next_suite,.venv-torchrl015,--skip-start-method spawn)
+
+test: lint test-main test-compat test-torchrl015
 
 # `make test-stress`: the fault, close, exit, restart, forkserver and contract tests while
 # tests/cpu_hog.py keeps every core busy (one spinning process per CPU, as `nproc` counts them,
@@ -62,11 +96,10 @@ try-torchrl:
 	.venv-torchrl-try/bin/pip install $(PIP_FLAGS) $(TORCH)
 	.venv-torchrl-try/bin/pip install $(PIP_FLAGS) --upgrade "$(TORCHRL_TRY)" psutil numpy pytest pytest-timeout
 	.venv-torchrl-try/bin/pip install $(PIP_FLAGS) --no-deps -e .
-	.venv-torchrl-try/bin/python -m pytest tests/test_compat.py tests/contract
-	.venv-torchrl-try/bin/python -m pytest -m compat
+	$(call next_suite,.venv-torchrl-try,)
 
 docs: .venv/.ready
 	.venv/bin/python -m mkdocs build --strict
 
 clean:
-	rm -rf .venv .venv-torchrl010 .pytest_cache .mypy_cache .ruff_cache site
+	rm -rf .venv .venv-torchrl010 .venv-torchrl015 .pytest_cache .mypy_cache .ruff_cache site

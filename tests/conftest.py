@@ -38,6 +38,53 @@ START_METHODS = ["fork", "forkserver", "spawn"]
 WORKER_STARTS = [*START_METHODS, "preloaded"]
 
 
+#: Why a run may leave a start method out (``--skip-start-method``): the Makefile's TorchRL 0.15
+#: suite leaves spawn to the main suite (see the Makefile's ``test-torchrl015``).
+SKIP_START_OPTION = "--skip-start-method"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        SKIP_START_OPTION,
+        action="append",
+        default=[],
+        choices=[*WORKER_STARTS, "default"],
+        help="deselect every test case that has this start method as a parameter (repeatable)",
+    )
+
+
+def _skipped_start(item: pytest.Item, methods: set[str]) -> str | None:
+    """The start method of ``methods`` that one of ``item``'s parameters is, if any."""
+    callspec = getattr(item, "callspec", None)
+    values = callspec.params.values() if callspec is not None else ()
+    return next((v for v in values if isinstance(v, str) and v in methods), None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    methods = set(config.getoption(SKIP_START_OPTION.lstrip("-").replace("-", "_")))
+    if not methods:
+        return
+    dropped = [item for item in items if _skipped_start(item, methods)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if not _skipped_start(item, methods)]
+    config.stash[_SKIPPED_STARTS] = len(dropped)
+
+
+_SKIPPED_STARTS = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """Say what ``--skip-start-method`` left out, where ``.ci/run`` collects what a run did not
+    prove (lines starting with ``DESELECTED``)."""
+    methods = sorted(config.getoption(SKIP_START_OPTION.lstrip("-").replace("-", "_")))
+    if methods:
+        terminalreporter.write_line(
+            f"DESELECTED {config.stash.get(_SKIPPED_STARTS, 0)} cases whose start method is "
+            f"{' or '.join(methods)} ({SKIP_START_OPTION})"
+        )
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """This process's environment for a child interpreter that imports ``tests`` and the
     package from the checkout (the repository root first on ``PYTHONPATH``), plus ``extra``."""
