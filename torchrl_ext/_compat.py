@@ -55,6 +55,7 @@ __all__ = [
     "NO_PIPE_ANSWER",
     "PER_START_KWARGS",
     "TESTED_RELEASES",
+    "TESTED_TORCHRL",
     "UPSTREAM_DEFAULTS",
     "WORKER_KWARGS",
     "Installed",
@@ -341,7 +342,10 @@ def default_start_method(requested: str | None = None) -> str:
 
 
 # --------------------------------------------------------------------------- the check
-#: The releases the test suites run on (``make test``); named in :class:`UnsupportedTorchRLError`.
+#: The TorchRL builds the test suites run on (``make test``), by distribution version: 0.15 as
+#: the nightly build that stands in for it until the registry serves 0.15.0.
+TESTED_TORCHRL = ("0.10.1", "0.14.1", "2026.10.27")
+#: The same, as errors and the doctor name them.
 TESTED_RELEASES = "0.10.1, 0.14.1 and 0.15 (as torchrl-nightly 2026.10.27)"
 
 

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 from . import _platform
+from ._compat import TESTED_RELEASES, TESTED_TORCHRL
 
 __all__ = [
     "Check",
@@ -50,8 +51,7 @@ Status = Literal["ok", "degraded", "missing"]
 SHM_MINIMUM = 2**30
 #: Below this soft ``ulimit -n``, DataLoader workers run out of descriptors.
 OPEN_FILES_MINIMUM = 4096
-#: What the test suite runs on.
-TESTED_TORCHRL = ("0.10.1", "0.14.1")
+#: What the test suite runs on (TorchRL's builds: ``_compat.TESTED_TORCHRL``).
 TESTED_TORCH = ("2.13.0",)
 RAY_KILL_CHILDREN_VAR = "RAY_kill_child_processes_on_worker_exit"
 
@@ -342,7 +342,8 @@ def _api_generation(has_daemon: bool, has_shutdown_timeout: bool) -> str:
     return "0.11-0.12" if has_daemon else "0.10"
 
 
-_TESTED_GENERATION = {"0.10.1": "0.10", "0.14.1": "0.13+"}
+#: The API generation of each tested TorchRL build.
+_TESTED_GENERATION = dict(zip(TESTED_TORCHRL, ("0.10", "0.13+", "0.13+"), strict=True))
 
 
 def check_torchrl(version: str | None, *, has_daemon: bool, has_shutdown_timeout: bool) -> Check:
@@ -360,8 +361,8 @@ def check_torchrl(version: str | None, *, has_daemon: bool, has_shutdown_timeout
     name = "TorchRL"
     api = _api_generation(has_daemon, has_shutdown_timeout)
     release = (version or "").split("+")[0]
-    tested = " and ".join(TESTED_TORCHRL)
-    hint = f"pip install torchrl=={TESTED_TORCHRL[-1]}, or run the test suite on this version (make test)"
+    tested = TESTED_RELEASES
+    hint = "install a tested TorchRL (torchrl==0.14.1), or run the test suite on this version (make test)"
     if release in ("", "0.0.0"):
         return Check(
             name,
