@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 import os
 import signal
 import subprocess
@@ -66,6 +67,7 @@ class ToyEnv(EnvBase):
         hold_mb: int = 0,
         init_gate: str | None = None,
         record_resets: bool = False,
+        collect_from_reset: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(batch_size=torch.Size([]), **kwargs)
@@ -113,6 +115,8 @@ class ToyEnv(EnvBase):
         #: Each step (reset) keeps this many more MiB, every page touched (resident), until it dies.
         self.grow_mb_per_step = grow_mb_per_step
         self.grow_mb_per_reset = grow_mb_per_reset
+        #: From its n-th reset on (0: never), each reset runs a full collection (``gc.collect()``).
+        self.collect_from_reset = collect_from_reset
         self._kept: list[bytes] = []
         if hold_mb and self._in_worker():  # what a simulator holds: every page touched, its own
             self._kept.append(b"\x01" * (hold_mb << 20))
@@ -213,6 +217,8 @@ class ToyEnv(EnvBase):
         self._resets += 1
         if self.record_resets and self._in_worker():
             self._record(f"reset{self._resets}", os.getpid())
+        if self.collect_from_reset and self._resets >= self.collect_from_reset:
+            gc.collect()
         if self.grow_mb_per_reset:
             self._kept.append(b"\x01" * (self.grow_mb_per_reset << 20))
         due = self.die_flag and self._resets == self.die_once_at_reset and self._in_worker()

@@ -304,6 +304,27 @@ def test_recycle_memory_replaces_a_growing_worker_before_its_tree_passes_the_cap
         env.close()
 
 
+def test_a_full_collection_in_a_preloaded_worker_leaves_the_server_pages_shared() -> None:
+    """NOTE [frozen preload] (``_forkserver``): a full collection in a worker forked from the
+    preloaded server scans none of the objects it inherited, so it copies none of the pages it
+    shares with the server into its own (on TorchRL 0.15 one ran within ~80 toy steps and
+    doubled as many of a healthy worker's pages into its USS; ``recycle_memory`` recycled it).
+    The preloaded path only: a "fork" worker inherits its owner's heap, the user's to freeze."""
+    env = ManagedParallelEnv(1, functools.partial(make_env, collect_from_reset=3), daemon_workers=False)
+    try:
+        env.reset()
+        env.reset()  # two resets, no collection
+        pid = env.worker_pids[0]
+        before = _tree_memory(pid, "uss")
+        shared = _tree_memory(pid, "rss") - before  # what it maps that others map too
+        env.reset()
+        env.reset()  # two full collections
+        assert env.worker_pids[0] == pid
+        assert _tree_memory(pid, "uss") - before < shared // 8, (before >> 20, shared >> 20)
+    finally:
+        env.close()
+
+
 #: MiB each worker of the DataLoader test holds of its own (a simulator's state).
 HOLD_MB = 64
 

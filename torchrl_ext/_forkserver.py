@@ -22,6 +22,9 @@ tensordict, TorchRL, the module defining the first env factory (and ``__main__``
   exits by itself when the owner dies (its "alive" pipe reaches EOF). A server that died is
   replaced at the next start. :func:`stop` ends it (the ``_lifecycle`` exit hook calls it
   after every env is closed).
+* **Frozen preload**: after the preload the server collects its garbage and freezes what is
+  left (``gc.freeze``): a full collection in a worker then copies none of the pages it
+  shares with the server (NOTE [frozen preload] at :func:`_freeze_preloaded`).
 * **Children of workers**: a worker forked from the server inherits TorchRL's global start
   method (spawn); ``ManagedParallelEnv(child_start_method=...)`` sets the default inside each
   worker ("fork" on this path, see ``_env``).
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import hmac
 import importlib
 import json
@@ -228,6 +232,22 @@ def _authenticate(conn: socket.socket, key: bytes) -> None:
         conn.settimeout(None)
 
 
+def _freeze_preloaded() -> None:
+    """NOTE [frozen preload]: move every object the preload left (torch's, TorchRL's, the
+    user's modules') to the collector's permanent generation, after collecting the garbage.
+
+    A worker shares these pages with the server until it writes to them. A full collection
+    in the worker writes the GC header of every object it tracks, so without this one full
+    collection copies the whole preloaded heap into the worker: measured on TorchRL 0.15 (whose
+    steps promote enough objects to run one within ~80 steps of a toy env), a healthy worker's
+    USS went from 12 to 93 MiB at once, its RSS unchanged, and ``recycle_memory`` recycled it.
+    Frozen objects are never scanned in the server or in any worker (nor in their forks, which
+    inherit the permanent generation); what a worker creates is collected as usual.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def serve(
     listener_fd: int, alive_r: int, status_w: int, setup_r: int, owner_pid: int, arm_pdeathsig: bool
 ) -> None:
@@ -246,6 +266,7 @@ def serve(
         message = {"module": failed.module, "traceback": failed.text}
         os.write(status_w, json.dumps(message).encode())
         os._exit(3)
+    _freeze_preloaded()
     os.register_at_fork(after_in_child=_fresh_random_state)
     os.write(status_w, b'{"ok": true}')
     os.close(status_w)
