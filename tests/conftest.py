@@ -161,6 +161,15 @@ def _tagged_strangers(before: set[tuple[int, float]]) -> list[psutil.Process]:
     return found
 
 
+def process_keys() -> set[tuple[int, float]]:
+    """The ``before`` that ``leftovers`` compares against: this process's descendants and the
+    tagged processes elsewhere, now. Tagged processes that are not descendants include the
+    shell that started pytest wherever the tag is exported to it (``make test-torchrl015``'s
+    recipe runs pytest under ``sh -c``): a baseline of descendants only counts it as a leak."""
+    keys = {k for k in (_key(p) for p in psutil.Process().children(recursive=True)) if k is not None}
+    return keys | {k for k in (_key(p) for p in _tagged_strangers(set())) if k is not None}
+
+
 def leftovers(before: set[tuple[int, float]]) -> tuple[list[psutil.Process], list[psutil.Process]]:
     me = psutil.Process()
     live, zombies = [], []
@@ -211,9 +220,7 @@ def _runtime_dirs() -> set[Path]:
 def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail the test if it leaves a live descendant, a zombie child, a tagged process or a
     runtime directory (``$TMPDIR/torchrl_ext-<owner pid>-*``) of an owner it started."""
-    me = psutil.Process()
-    before = {k for k in (_key(p) for p in me.children(recursive=True)) if k is not None}
-    before |= {k for k in (_key(p) for p in _tagged_strangers(set())) if k is not None}
+    before = process_keys()
     dirs_before = _runtime_dirs()
     yield
     found: dict[str, Any] = {}

@@ -51,6 +51,8 @@ import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -65,7 +67,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import ParallelEnv
 from torchrl.envs.utils import step_mdp
 
-from tests.conftest import leftovers, pid_alive, start_kwargs
+from tests.conftest import SESSION, SESSION_VAR, leftovers, pid_alive, process_keys, start_kwargs
 from tests.contract.helpers import HAS_VIEWS, Raised, assert_same, snapshot
 from tests.fuzz_envs import fresh_reset_observation, make_fuzz_env
 from tests.polling import wait_until
@@ -514,16 +516,6 @@ def kill_between_calls(env: Any, slot: int) -> int:
     return pid
 
 
-def _descendant_keys() -> set[tuple[int, float]]:
-    keys = set()
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            keys.add((proc.pid, proc.create_time()))
-        except psutil.Error:
-            pass
-    return keys
-
-
 def _nothing_left(before: set[tuple[int, float]]) -> bool:
     live, zombies = leftovers(before)
     return not live and not zombies
@@ -767,7 +759,7 @@ def run_managed(
 
 def run_example(plan: Plan, start: dict[str, Any], offset: int = 0) -> None:
     """Run ``plan`` on upstream, then on the managed env, and compare."""
-    before = _descendant_keys()
+    before = process_keys()  # the leak fixture's baseline: a tagged ancestor is not ours
     trace: list[str] = []
     try:
         upstream = run_upstream(plan)
@@ -908,3 +900,26 @@ def test_regression_stale_mark_obs_minimal() -> None:
     finally:
         env.close(raise_if_closed=False)
         _wait_gone(pids, "the managed env")
+
+
+@pytest.mark.compat
+def test_example_baseline_leaves_out_a_tagged_process_that_is_no_descendant() -> None:
+    """``make test-torchrl015`` runs pytest under ``sh -c`` with the session tag exported: that
+    shell is a tagged process and no descendant. The example's baseline counted descendants
+    only, so every example waited 30 s for the shell to go and failed, on every release (the
+    single-command recipes exec pytest from make, which carries no tag). An orphaned tagged
+    sleeper stands in for the shell: it existed before the example, so it is not left by it."""
+    code = (
+        "import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', 'import time; "
+        "time.sleep(300)'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)"
+    )
+    args = [sys.executable, "-c", code]
+    done = subprocess.run(args, capture_output=True, text=True, check=True, timeout=60)
+    pid = int(done.stdout)
+    try:
+        assert pid not in {p.pid for p in psutil.Process().children(recursive=True)}
+        assert psutil.Process(pid).environ().get(SESSION_VAR) == SESSION  # tagged, as the shell
+        assert _nothing_left(process_keys())
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not pid_alive(pid), f"the tagged sleeper (pid {pid}) is dead", timeout=30)
