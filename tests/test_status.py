@@ -125,6 +125,10 @@ def test_stats_and_status_show_each_trees_unique_memory(method: str) -> None:
         env.close()
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_status_watch_repeats_until_interrupted(tmp_path: Path) -> None:
     out = tmp_path / "watch.txt"
     with out.open("w") as fh:
@@ -133,6 +137,9 @@ def test_status_watch_repeats_until_interrupted(tmp_path: Path) -> None:
             env=child_env(),
             stdout=fh,
             stderr=subprocess.STDOUT,
+            # As from a terminal, whatever started the test run: a shell's background job
+            # passes SIGINT on ignored, and Python then raises no KeyboardInterrupt.
+            preexec_fn=_sigint_default,
         )
     try:
         wait_until(lambda: out.read_text().count("every 0.2s") >= 2, "two frames of status --watch")
