@@ -11,8 +11,6 @@ the first workers did (``_replace.hand_off``). The scenarios of ``test_restarts`
 from __future__ import annotations
 
 import functools
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +19,7 @@ import torch
 
 from tests.conftest import pid_alive, start_kwargs
 from tests.envs import make_env
-from tests.polling import wait_until
-from tests.test_restarts import FIRST_OBS, STEP_TIMEOUT, _assert_marked, _assert_unmarked
+from tests.test_restarts import FIRST_OBS, STEP_TIMEOUT, _assert_marked, lose_worker_between_calls
 from torchrl_ext import ManagedParallelEnv, _compat
 
 pytestmark = [
@@ -55,18 +52,8 @@ def _handoff_kwargs(method: str, use_buffers: bool | None) -> dict[str, Any]:
 def test_sigkilled_worker_is_replaced_through_the_handoff(method: str, use_buffers: bool | None) -> None:
     env = ManagedParallelEnv(3, make_env, max_restarts=2, **_handoff_kwargs(method, use_buffers))
     try:
-        td = env.reset()
+        _out, root, victim = lose_worker_between_calls(env)
         assert _compat.Upstream(env).use_buffers is True
-        _out, td = env.step_and_maybe_reset(env.rand_action(td))
-        victim = env.worker_pids[2]
-        os.kill(victim, signal.SIGKILL)
-        wait_until(lambda: not pid_alive(victim), "the worker is dead")
-        out, root = env.step_and_maybe_reset(env.rand_action(td))
-        _assert_marked(out["next"], 2)
-        for slot in (0, 1):
-            _assert_unmarked(out["next"], slot)
-            assert torch.equal(out["next", "observation"][slot], FIRST_OBS + 2)
-        assert torch.equal(root["observation"][2], FIRST_OBS)  # the replacement's reset
         (record,) = env.restarts
         assert (record.slot, record.old_pid, record.cause) == (2, victim, -9)
         assert record.new_pid == env.worker_pids[2] != victim

@@ -149,22 +149,29 @@ def test_worker_killed_mid_step_is_replaced_and_its_transition_marked(
     assert report is not None and report.restarts == 1 and report.clean, str(report)
 
 
+def lose_worker_between_calls(env: ManagedParallelEnv) -> tuple[Any, Any, int]:
+    """Reset and step a 3-worker ToyEnv, SIGKILL worker 2, step again: that step returns with
+    slot 2 marked, the others stepped on, and the fresh env's reset as slot 2's next root.
+    Returns the step, the next root and the killed pid."""
+    td = env.reset()
+    _out, td = env.step_and_maybe_reset(env.rand_action(td))
+    victim = env.worker_pids[2]
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(victim), "the worker is dead")
+    out, root = env.step_and_maybe_reset(env.rand_action(td))
+    _assert_marked(out["next"], 2)
+    for slot in (0, 1):
+        _assert_unmarked(out["next"], slot)
+        assert torch.equal(out["next", "observation"][slot], FIRST_OBS + 2)
+    assert torch.equal(root["observation"][2], FIRST_OBS)
+    return out, root, victim
+
+
 @pytest.mark.parametrize("method", ALL_STARTS)
 def test_worker_lost_between_calls_marks_the_next_step(method: str) -> None:
     env = ManagedParallelEnv(3, make_env, daemon_workers=False, max_restarts=1, **start_kwargs(method))
     try:
-        td = env.reset()
-        _out, td = env.step_and_maybe_reset(env.rand_action(td))
-        victim = env.worker_pids[2]
-        os.kill(victim, signal.SIGKILL)
-        wait_until(lambda: not pid_alive(victim), "the worker is dead")
-        out, root = env.step_and_maybe_reset(env.rand_action(td))
-        _assert_marked(out["next"], 2)
-        for slot in (0, 1):
-            _assert_unmarked(out["next"], slot)
-            assert torch.equal(out["next", "observation"][slot], FIRST_OBS + 2)
-        # The fresh env's reset is the slot's next root observation.
-        assert torch.equal(root["observation"][2], FIRST_OBS)
+        _out, root, victim = lose_worker_between_calls(env)
         assert not root["worker_restarted"].any() and not root["done"].any()
         (record,) = env.restarts
         assert record.slot == 2 and record.old_pid == victim

@@ -166,6 +166,17 @@ def _short_episodes(method: str, **kwargs: Any) -> ManagedParallelEnv:
     )
 
 
+def _collect(env: Any, steps: int) -> list[Any]:
+    """A collector's loop from a reset: ``steps`` calls of ``step_and_maybe_reset``."""
+    td = env.reset()
+    transitions = []
+    for _ in range(steps):
+        td.set("action", env.action_spec.rand())
+        step, td = env.step_and_maybe_reset(td)
+        transitions.append(step)
+    return transitions
+
+
 def _ends(transitions: list[Any]) -> tuple[list[int], int]:
     """Per worker, the episodes that ended in ``transitions``; and the transitions in which one did."""
     done = torch.stack([t["next", "done"].reshape(2) for t in transitions])
@@ -189,12 +200,7 @@ def test_stats_count_each_workers_resets_inside_step_and_maybe_reset(method: str
     """A collector's loop: the workers reset their envs inside ``step_and_maybe_reset``."""
     env = _short_episodes(method, use_buffers=use_buffers)
     try:
-        td = env.reset()
-        transitions = []
-        for _ in range(12):
-            td.set("action", env.action_spec.rand())
-            step, td = env.step_and_maybe_reset(td)
-            transitions.append(step)
+        transitions = _collect(env, 12)
         ends, boundaries = _ends(transitions)
         assert ends == [12 // n for n in EPISODE_STEPS]  # 6 and 4: the envs' own episodes
         stats = env.stats(workers="both")
@@ -232,12 +238,7 @@ def test_resets_a_transform_asks_for_at_episode_ends_are_counted_per_worker(meth
     resets only the workers whose episode ended, through a partial ``reset`` call."""
     env = TransformedEnv(_short_episodes(method), StepCounter())
     try:
-        td = env.reset()
-        transitions = []
-        for _ in range(12):
-            td.set("action", env.action_spec.rand())
-            step, td = env.step_and_maybe_reset(td)
-            transitions.append(step)
+        transitions = _collect(env, 12)
         ends, boundaries = _ends(transitions)
         stats = env.base_env.stats(workers="both")
         assert stats["steps"] == 12 and stats["boundary_steps"] == 0
