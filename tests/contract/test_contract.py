@@ -179,11 +179,19 @@ def test_indexed_views_share_workers_and_close_like_upstream(mp_start_method: st
 @pytest.mark.compat
 def test_env_creator_shared_vecnorm_statistics(mp_start_method: str) -> None:
     """Workers built from an ``EnvCreator`` update the ``VecNorm`` statistics that the
-    EnvCreator holds in shared memory in the main process."""
+    EnvCreator holds in shared memory in the main process: both workers' updates arrive.
+
+    What is compared is how many updates arrived, not the sums: two workers add to the same
+    shared tensors with upstream's in-place ``+=``, which is not atomic, so under load one
+    update can be lost, upstream's as ours (seen once in CI on 0.10.1: one reset observation
+    missing from upstream's sums). Each worker makes 8 updates (6 steps + 2 resets: at the
+    start and after step 3): more than 8 arrived means both workers' reached the main process.
+    """
 
     def scenario(variant: Variant, rec: Record) -> None:
         creator = EnvCreator(functools.partial(make_vecnorm_env, max_steps=3))
         rec.value("statistics before", creator.state_dict())
+        before = creator.state_dict()["_extra_state"]["observation_count"].item()
         env = variant(2, creator, mp_start_method=mp_start_method)
         rec.value(
             "statistics in shared memory after construction",
@@ -194,22 +202,18 @@ def test_env_creator_shared_vecnorm_statistics(mp_start_method: str) -> None:
                 "rollout keys and shape",
                 lambda: (sorted(map(str, (r := rollout(env, 6, seed=0)).keys(True, True))), r.batch_size),
             )
-        rec.value("statistics after", creator.state_dict())
+        arrived = creator.state_dict()["_extra_state"]["observation_count"].item() - before
+        seen = "none" if arrived == 0 else "both workers'" if 8 < arrived <= 16 else arrived
+        rec.value("updates in the main process", seen)
 
     records = run_variants(scenario)
-    before = upstream(records, "statistics before")["_extra_state"]["observation_count"].item()
-    after = upstream(records, "statistics after")["_extra_state"]["observation_count"].item()
     # TorchRL 0.14 moves the statistics to shared memory when the env is built; 0.10 leaves
     # them private until they are pickled for a spawn or forkserver worker, so that forked
     # workers there update copies and the main process sees nothing.
     shared = all(upstream(records, "statistics in shared memory after construction"))
-    if shared or mp_start_method != "fork":
-        assert after == before + 2 * 8, "2 workers x (6 steps + 2 resets: at the start and after step 3)"
-    else:
-        assert after == before
-    # The normalized observations depend on how the workers' updates interleave: only
-    # the statistics (sums) are compared, to rounding.
-    assert_same_as_upstream(records, exact=False)
+    expected = "both workers'" if shared or mp_start_method != "fork" else "none"
+    assert upstream(records, "updates in the main process") == expected
+    assert_same_as_upstream(records)
 
 
 @every_start_method
