@@ -92,3 +92,17 @@ def test_the_step_timeout_of_the_issue() -> None:
         ValueError, match=r"^step_timeout must be None or a number of seconds > 0, got '5' \(str\)$"
     ):
         ManagedParallelEnv(2, make_env, step_timeout="5")
+
+
+@pytest.mark.compat
+def test_an_assigned_shutdown_timeout_reaches_every_holder_of_the_options() -> None:
+    """``env.shutdown_timeout = x`` (upstream's attribute, read at the next start) is what the
+    restart engine and the recycler (which bounds a retiring worker's close by it) use."""
+    env = ManagedParallelEnv(1, make_env, daemon_workers=False, recycle_every=2)
+    try:
+        env.shutdown_timeout = 3.0
+        engine = env._trx.engine
+        assert env.shutdown_timeout == 3.0
+        assert engine.options.shutdown_timeout == engine.recycler.options.shutdown_timeout == 3.0
+    finally:
+        env.close(raise_if_closed=False)

@@ -196,7 +196,8 @@ class ManagedParallelEnv(ParallelEnv):
         state: EnvState | None = self.__dict__.get("_trx")
         if state is not None:
             state.options = dataclasses.replace(state.options, shutdown_timeout=float(value))
-            state.engine.options = state.options
+            # Read at the next start, as upstream's (its _start_workers copies it to _timeout).
+            state.engine.options = state.engine.recycler.options = state.options
 
     @property
     def supervision_report(self) -> SupervisionReport | None:
