@@ -45,8 +45,10 @@ lint: .venv/.ready
 test-main: .venv/.ready
 	.venv/bin/python -m pytest
 
+# TorchRL 0.10.1: the tests marked compat, but for their spawn cases (22 of 470, a third of
+# this suite's test time: 244 of 770 s on 2 cores), for the reason given at test-torchrl015.
 test-compat: .venv-torchrl010/.ready
-	.venv-torchrl010/bin/python -m pytest -m compat
+	.venv-torchrl010/bin/python -m pytest -m compat --skip-start-method spawn
 
 # What a TorchRL release other than the main suite's must pass, each test once: the internals
 # inventory (tests/test_compat.py) and the contract suite against upstream (tests/contract), then
@@ -62,7 +64,7 @@ define next_suite
 endef
 
 # TorchRL 0.15 (the stand-in build until the registry serves 0.15.0), in CI's time budget: the
-# cases parametrized on spawn are left to the main suite (27 of 475 cases, 38 % of this suite's
+# cases parametrized on spawn are left to the main suite (as on 0.10.1) (27 of 475 cases, 38 % of this suite's
 # test time: 897 of 2371 s, measured on 2 loaded cores). On 0.15 TorchRL's own default start method is spawn, so the
 # upstream side of every contract case on the default path still runs spawned workers, and the
 # managed spawn path differs from forkserver (which runs) only in how the worker process is

@@ -36,6 +36,13 @@ START_METHODS = ["fork", "forkserver", "spawn"]
 #: The three start methods and the default path: forks of the preloaded server (no
 #: ``mp_start_method``; see torchrl_ext/_forkserver.py).
 WORKER_STARTS = [*START_METHODS, "preloaded"]
+#: The starts of a test whose outcome does not depend on how a worker process is created
+#: (restart and recycling policy, close escalation, errors through the pipe, stacks, sweep):
+#: there spawn differs from forkserver only in importing torch in each worker (about 4 s per
+#: worker on 2 cores); both give the worker a fresh process and a pickled factory. Spawn stays
+#: where creation can change the outcome: pickling, ``__main__``, bootstrap, thread counts,
+#: leaks, exits, and the contract suite. See docs/design.md, "Start paths in the suite".
+NOT_SPAWNED = [m for m in WORKER_STARTS if m != "spawn"]
 
 
 #: Why a run may leave a start method out (``--skip-start-method``): the Makefile's TorchRL 0.15

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import START_METHODS, WORKER_STARTS, pid_alive, start_kwargs
+from tests.conftest import WORKER_STARTS, pid_alive, start_kwargs
 from tests.envs import make_env
 from tests.polling import wait_until
 from torchrl_ext import ManagedParallelEnv, WorkerDiedError, _shutdown
@@ -104,7 +104,8 @@ _RACY_FORKSERVER_EXITCODE = pytest.mark.xfail(
 
 @pytest.mark.compat
 @pytest.mark.parametrize(
-    "method", ["fork", pytest.param("forkserver", marks=_RACY_FORKSERVER_EXITCODE), "spawn", "preloaded"]
+    # not spawn: conftest.NOT_SPAWNED
+    "method", ["fork", pytest.param("forkserver", marks=_RACY_FORKSERVER_EXITCODE), "preloaded"]
 )
 def test_close_after_worker_was_sigkilled(method: str, tmp_path: Path) -> None:
     env = ManagedParallelEnv(
@@ -139,7 +140,7 @@ def test_close_after_worker_was_sigkilled(method: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "method",
     # On TorchRL 0.10.1 under fork only: two spawned env starts and two 5 s closes cost it 40 s.
-    [pytest.param("fork", marks=pytest.mark.compat), "forkserver", "spawn"],
+    [pytest.param("fork", marks=pytest.mark.compat), "forkserver"],  # not spawn: conftest.NOT_SPAWNED
 )
 def test_close_escalates_on_blocking_close_and_ignored_sigterm(
     method: str, caplog: pytest.LogCaptureFixture
@@ -277,7 +278,7 @@ def _recycle_pid(pid: int, attempts: int = 50) -> subprocess.Popen[str]:
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("method", START_METHODS)
+@pytest.mark.parametrize("method", ["fork", "forkserver"])  # not spawn: conftest.NOT_SPAWNED
 def test_close_leaves_a_stranger_in_a_recycled_process_group_alone(method: str) -> None:
     """A worker dies; its pid, which was its process group's id, is then reused by a stranger
     that leads a new group. ``close()`` must not signal that group (live-anchor rule)."""

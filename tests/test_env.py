@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDictBase
 from torchrl.envs import ParallelEnv
 
-from tests.conftest import START_METHODS, WORKER_STARTS, start_kwargs
+from tests.conftest import NOT_SPAWNED, START_METHODS, start_kwargs
 from tests.envs import OBS, make_env
 from torchrl_ext import DaemonicWorkerError, ManagedParallelEnv
 from torchrl_ext._compat import HAS_DAEMON_KWARG, default_start_method, torchrl_release
@@ -192,7 +192,7 @@ def _chain(err: BaseException) -> str:
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("method", WORKER_STARTS)
+@pytest.mark.parametrize("method", NOT_SPAWNED)
 def test_a_call_the_env_does_not_have_raises_attribute_error(method: str) -> None:
     """``env.no_such_method()`` is forwarded to the workers, whose loop ends on the error: the
     call itself raises the ``AttributeError`` (upstream raises a bare ``EOFError`` and then

@@ -111,7 +111,7 @@ def _who_holds(entries: set[str]) -> str:
     "method",
     # On TorchRL 0.10.1 under fork only: under spawn and forkserver, each worker's 2 DataLoader
     # workers are spawned too (a torch import each), which the compat run cannot afford.
-    [pytest.param("fork", marks=pytest.mark.compat), "forkserver", "spawn"],
+    [pytest.param("fork", marks=pytest.mark.compat), "forkserver"],  # not spawn: conftest.NOT_SPAWNED
 )
 def test_sigkilled_worker_raises_worker_died_error(method: str, tmp_path: Path) -> None:
     env = ManagedParallelEnv(

@@ -187,7 +187,7 @@ def test_an_unseeded_env_gives_unseeded_replacements() -> None:
 
 
 # --------------------------------------------------------------------------- several at once
-@pytest.mark.parametrize("method", [*STARTS, "spawn"])
+@pytest.mark.parametrize("method", [*STARTS, "forkserver"])  # not spawn: conftest.NOT_SPAWNED
 def test_workers_lost_together_are_started_together(method: str, tmp_path: Path) -> None:
     """Three workers lost between calls: their replacements all reach their factory before
     any is let through (a gate the test opens only once all three wait there), so none was

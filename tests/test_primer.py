@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchrl.data import Bounded, Composite, Unbounded
 from torchrl.envs import EnvBase, ParallelEnv, TransformedEnv
 
-from tests.conftest import WORKER_STARTS, start_kwargs
+from tests.conftest import NOT_SPAWNED, start_kwargs
 from tests.contract.helpers import HAS_DAEMON
 from torchrl_ext import ManagedParallelEnv
 
@@ -105,7 +105,7 @@ def _rollout(env: Any) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("method", WORKER_STARTS)
+@pytest.mark.parametrize("method", NOT_SPAWNED)
 def test_data_loading_primer_feeds_every_managed_worker(method: str) -> None:
     observed, loaded_by, pids = _rollout(
         ManagedParallelEnv(2, make_primed_env, daemon_workers=False, **start_kwargs(method))

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import WORKER_STARTS, Scenario, pid_alive, start_kwargs
+from tests.conftest import NOT_SPAWNED, Scenario, pid_alive, start_kwargs
 from tests.envs import make_env
 from tests.polling import wait_until
 from torchrl_ext import ManagedParallelEnv, _platform
@@ -74,7 +74,7 @@ def test_sweep_lists_then_kills_orphans_of_a_dead_owner(tmp_path: Path) -> None:
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("method", WORKER_STARTS)
+@pytest.mark.parametrize("method", NOT_SPAWNED)
 def test_leftover_processes_is_empty_once_every_env_closed(method: str) -> None:
     """The helpers that live as long as their owner are not leftovers: our preloaded server,
     and CPython's fork server, which is tagged with its owner when a managed env starts it."""
