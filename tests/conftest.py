@@ -106,8 +106,10 @@ def start_kwargs(method: str) -> dict[str, Any]:
 
 
 def _key(proc: psutil.Process) -> tuple[int, float] | None:
+    from torchrl_ext._identity import start_time  # the library's identity: no clock step moves it
+
     try:
-        return (proc.pid, proc.create_time())
+        return (proc.pid, start_time(proc))
     except psutil.Error:
         return None
 

@@ -24,6 +24,7 @@ import pytest
 
 from tests.conftest import Scenario, pid_alive
 from tests.polling import wait_until
+from torchrl_ext._identity import start_time
 from torchrl_ext._reaper import Reaper
 
 LINGER = 5.0  # the guarantee is 2 s; slack for a loaded 2-core CI machine
@@ -426,17 +427,17 @@ def test_reaper_waits_for_helpers_and_names_what_it_killed(
     os.mkfifo(fifo)
     caplog.set_level(logging.WARNING, logger="torchrl_ext.reaper")
     procs = {p.pid: psutil.Process(p.pid) for p in (owner, helper, leftover)}
-    reaper = Reaper(owner.pid, procs[owner.pid].create_time(), str(fifo))
+    reaper = Reaper(owner.pid, start_time(procs[owner.pid]), str(fifo))
     thread = threading.Thread(target=reaper.run)
     thread.start()
     try:
-        ctime = procs[helper.pid].create_time()
+        ctime = start_time(procs[helper.pid])
         _write_messages(
             fifo,
             {
                 "op": "watch",
                 "pid": leftover.pid,
-                "ctime": procs[leftover.pid].create_time(),
+                "ctime": start_time(procs[leftover.pid]),
                 "pgid": leftover.pid,
             },
             {"op": "watch", "pid": helper.pid, "ctime": ctime, "pgid": helper.pid},

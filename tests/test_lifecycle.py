@@ -15,6 +15,7 @@ import pytest
 
 from tests.envs import make_env
 from torchrl_ext import ManagedParallelEnv
+from torchrl_ext._identity import start_time
 from torchrl_ext._lifecycle import HANDLED_SIGNALS, _handle_signal
 from torchrl_ext._tag import Tag
 
@@ -85,7 +86,7 @@ def test_every_descendant_inherits_the_owner_tag(tmp_path: Path) -> None:
             environ = psutil.Process(pid).environ()
             tag = Tag.parse(environ["TORCHRL_EXT_OWNER"])
             assert tag is not None and tag.owner_pid == me.pid
-            assert abs(tag.owner_create_time - me.create_time()) < 1e-3
+            assert abs(tag.owner_create_time - start_time(me)) < 1e-3
             assert environ["TORCHRL_EXT_WORKER"] in {"0", "1"}
         for pid in env.worker_pids:
             assert os.getpgid(pid) == pid

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -17,6 +16,7 @@ from tests.conftest import NOT_SPAWNED, Scenario, pid_alive, start_kwargs
 from tests.envs import make_env
 from tests.polling import wait_until
 from torchrl_ext import ManagedParallelEnv, _platform
+from torchrl_ext._identity import clock, start_time
 from torchrl_ext._reaper import Reaper, Registry
 from torchrl_ext._sweep import find_orphans, leftover_processes
 
@@ -43,12 +43,12 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.compat
 def test_sweep_lists_then_kills_orphans_of_a_dead_owner(tmp_path: Path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead_ctime = psutil.Process(dead.pid).create_time()
+    dead_ctime = start_time(psutil.Process(dead.pid))
     dead.wait()
     me = psutil.Process()
     orphan = _spawn_tagged(dead.pid, dead_ctime)  # owner gone
-    reused = _spawn_tagged(me.pid, me.create_time() - 100.0)  # our pid, another create time
-    mine = _spawn_tagged(me.pid, me.create_time())  # owner alive: not an orphan
+    reused = _spawn_tagged(me.pid, start_time(me) - 100.0)  # our pid, another create time
+    mine = _spawn_tagged(me.pid, start_time(me))  # owner alive: not an orphan
     # Only these owners (and no runtime directories of other runs on this machine).
     scope = ["--owner", str(dead.pid), "--owner", str(me.pid), "--runtime-dir", str(tmp_path)]
     try:
@@ -164,9 +164,9 @@ def test_registry_forgets_descendants_that_ended(tmp_path: Path) -> None:
         fifo = tmp_path / "reaper.fifo"
         os.mkfifo(fifo)
         me = psutil.Process()
-        reaper = Reaper(me.pid, me.create_time(), str(fifo))
+        reaper = Reaper(me.pid, start_time(me), str(fifo))
         try:
-            reaper.workers[worker.pid] = (psutil.Process(worker.pid).create_time(), worker.pid)
+            reaper.workers[worker.pid] = (start_time(psutil.Process(worker.pid)), worker.pid)
             reaper.snapshot()
             reaper.write_registry()
             assert _registry_lists(tmp_path / "registry.json", {child})
@@ -206,11 +206,11 @@ def test_registry_group_of_a_dead_worker_needs_a_live_anchor() -> None:
         leader.wait()
         assert os.getpgid(stranger.pid) == leader.pid and not psutil.pid_exists(leader.pid)
         me = psutil.Process()
-        owner = (me.pid, me.create_time() - 100.0)  # a dead owner, as in a registry left behind
-        workers = {leader.pid: (time.time() - 86400.0, leader.pid)}  # yesterday's worker
+        owner = (me.pid, start_time(me) - 100.0)  # a dead owner, as in a registry left behind
+        workers = {leader.pid: (clock() - 86400.0, leader.pid)}  # yesterday's worker
         unanchored = Registry(*owner, workers, [])
         assert stranger not in unanchored.leftovers()
-        anchored = Registry(*owner, workers, [(stranger.pid, stranger.create_time())])
+        anchored = Registry(*owner, workers, [(stranger.pid, start_time(stranger))])
         assert stranger in anchored.leftovers()
     finally:
         leader.kill()
@@ -223,3 +223,30 @@ def test_registry_group_of_a_dead_worker_needs_a_live_anchor() -> None:
                 pass
         if not was_subreaper:
             _platform.set_child_subreaper(False)
+
+
+@pytest.mark.compat
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the identity clock: /proc")
+def test_a_wall_clock_step_leaves_the_reapers_owner_alive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A virtual machine resumed from a snapshot, or an NTP step, moves the wall clock, and with
+    it psutil's ``create_time()`` of every process (it adds the boot time as read now). An owner
+    identified before the step is the same live process after it: its reaper must not take it
+    for dead (it did, and killed a live test run's workers, after a VM snapshot)."""
+    from psutil import _pslinux
+
+    me = psutil.Process()
+    fifo = tmp_path / "reaper.fifo"
+    os.mkfifo(fifo)
+    reaper = Reaper(me.pid, start_time(me), str(fifo))
+    try:
+        assert reaper.owner_alive()
+        before = psutil.Process(me.pid).create_time()
+        booted = _pslinux.boot_time
+        monkeypatch.setattr(_pslinux, "boot_time", lambda: booted() + 37.0)
+        assert psutil.Process(me.pid).create_time() == pytest.approx(before + 37.0, abs=0.02)  # stepped
+        assert reaper.owner_alive()
+        assert start_time(psutil.Process(me.pid)) == start_time(me)
+    finally:
+        os.close(reaper.fifo_fd)

@@ -382,7 +382,7 @@ class _Server:
         finally:
             os.close(status_r)
         self._proc = proc
-        self.key = (proc.pid, psutil.Process(proc.pid).create_time())
+        self.key = (proc.pid, _identity.start_time(psutil.Process(proc.pid)))
         self.address, self._alive_fd, self._authkey = address, alive_w, key
         _reaper_client.add_helper(*self.key)  # it ends with this process: not a leftover then
         log.debug("preloaded fork server pid %d ready (%s)", proc.pid, ", ".join(modules))

@@ -3,11 +3,15 @@
 Standard library and psutil only, and no imports from the package: the standalone reaper script
 loads this file by path (see ``_reaper.py``); the package imports it as ``torchrl_ext._identity``.
 
-* **Identity** is ``(pid, create_time)``: a pid can be reused, the pair cannot. Create times are
-  compared by :func:`same_ctime`: within :data:`CTIME_TOLERANCE`, give or take whole seconds of
-  boot-time drift (psutil adds the boot time *as read now* to a fixed tick count, and the
-  kernel's boot time moves by a second when the wall clock is adjusted: a create time recorded
-  earlier, or by another process, may differ from today's by exactly that).
+* **Identity** is ``(pid, create time)``: a pid can be reused, the pair cannot. The create
+  time is :func:`start_time`'s: on Linux the kernel's start time in seconds since boot, which
+  no change of the wall clock moves. (psutil's ``create_time()`` adds the boot time *as read
+  now* to it: a wall-clock step, an NTP correction or a virtual machine resumed from a snapshot
+  moves every process's ``create_time()`` at once, so an identity recorded before the step no
+  longer matched: the reaper took its live owner for dead and killed its workers. Seen on a
+  2-core VM after a snapshot.) Elsewhere it is ``create_time()``, recorded at the process's
+  start. Create times are compared by :func:`same_ctime`: within :data:`CTIME_TOLERANCE`, give
+  or take whole seconds of boot-time drift where the clock is a wall clock.
 * **Alive** means running and not a zombie.
 * **The tree** of a set of workers (:func:`tree`) is every live process of ours: the workers,
   the descendants they have and the ones seen in earlier snapshots (a subtree whose middle
@@ -27,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -41,6 +46,7 @@ __all__ = [
     "WORKER_VAR",
     "ProcessKey",
     "alive",
+    "clock",
     "descendants",
     "key_of",
     "kill_and_reap",
@@ -51,6 +57,7 @@ __all__ = [
     "running",
     "same_ctime",
     "same_process",
+    "start_time",
     "tree",
     "unique",
 ]
@@ -81,6 +88,39 @@ Workers = Mapping[int, tuple[float, int]]
 
 
 _me: tuple[int, ProcessKey] | None = None
+#: Whether start times are read from ``/proc/PID/stat`` (Linux), and its clock's ticks/second.
+_PROC_STAT = sys.platform.startswith("linux") and os.path.exists("/proc/self/stat")
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if _PROC_STAT else 100
+
+
+def clock() -> float:
+    """Now, on :func:`start_time`'s clock (how long a process has run: ``clock() - start``).
+
+    Example:
+        >>> 0 <= clock() - start_time(psutil.Process()) < 3600 * 24 * 365
+        True
+    """
+    return time.clock_gettime(time.CLOCK_BOOTTIME) if _PROC_STAT else time.time()
+
+
+def start_time(proc: psutil.Process) -> float:
+    """The create time of ``proc`` that identifies it (see the module doc, **Identity**):
+    seconds since boot on Linux, unmoved by changes of the wall clock; ``create_time()``
+    elsewhere. Raises ``psutil.NoSuchProcess`` when it is gone.
+
+    Example:
+        >>> start_time(psutil.Process()) == start_time(psutil.Process(os.getpid()))
+        True
+    """
+    if not _PROC_STAT:
+        return float(proc.create_time())
+    try:
+        with open(f"/proc/{proc.pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except (FileNotFoundError, ProcessLookupError):
+        raise psutil.NoSuchProcess(proc.pid) from None
+    # Field 22 (starttime, in clock ticks since boot); the name in field 2 may hold spaces.
+    return int(stat[stat.rindex(b")") + 2 :].split()[19]) / _CLOCK_TICKS
 
 
 def me() -> ProcessKey:
@@ -93,14 +133,14 @@ def me() -> ProcessKey:
     global _me
     pid = os.getpid()
     if _me is None or _me[0] != pid:
-        _me = (pid, (pid, psutil.Process(pid).create_time()))
+        _me = (pid, (pid, start_time(psutil.Process(pid))))
     return _me[1]
 
 
 def key_of(proc: psutil.Process) -> ProcessKey | None:
     """``(pid, create_time)`` of ``proc``; ``None`` once it is gone."""
     try:
-        return (proc.pid, proc.create_time())
+        return (proc.pid, start_time(proc))
     except psutil.Error:
         return None
 
@@ -126,14 +166,14 @@ def same_process(pid: int, ctime: float) -> psutil.Process | None:
 
     Example:
         >>> me = psutil.Process()
-        >>> same_process(me.pid, me.create_time()) == me
+        >>> same_process(me.pid, start_time(me)) == me
         True
-        >>> same_process(me.pid, me.create_time() - 10) is None
+        >>> same_process(me.pid, start_time(me) - 10) is None
         True
     """
     try:
         proc = psutil.Process(pid)
-        return proc if same_ctime(proc.create_time(), ctime) else None
+        return proc if same_ctime(start_time(proc), ctime) else None
     except psutil.Error:
         return None
 
@@ -259,7 +299,7 @@ def tree(
             if proc.pid == me:
                 continue
             try:
-                ctime = proc.create_time()
+                ctime = start_time(proc)
                 if ctime + BIRTH_SLACK < oldest:
                     continue  # older than every worker and the owner: cannot be ours
                 pgid = os.getpgid(proc.pid)

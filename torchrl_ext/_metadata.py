@@ -148,7 +148,7 @@ def _end_tree(process: Any, tag: Tag) -> None:
     if pid is None:
         return
     try:
-        ctime = psutil.Process(pid).create_time()
+        ctime = _identity.start_time(psutil.Process(pid))
         workers = {pid: (ctime, pid)}
     except psutil.Error:
         workers = {}

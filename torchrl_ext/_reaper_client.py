@@ -20,9 +20,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-import psutil
-
-from . import _platform
+from . import _identity, _platform
 
 __all__ = ["acquire", "add_helper", "notify_watch", "release", "send"]
 
@@ -47,9 +45,9 @@ class _ReaperHandle:
         os.mkfifo(self.fifo, 0o600)
         # Held open by us too: writes never fail while we live, and the reaper may start late.
         self.fd = os.open(self.fifo, os.O_RDWR | os.O_NONBLOCK)
-        me = psutil.Process()
+        owner_pid, owner_ctime = _identity.me()
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRL_EXT_")}
-        cmd = [sys.executable, "-I", str(_REAPER_SCRIPT), str(me.pid), repr(me.create_time()), self.fifo]
+        cmd = [sys.executable, "-I", str(_REAPER_SCRIPT), str(owner_pid), repr(owner_ctime), self.fifo]
         if not _platform.has_pidfd():
             cmd.append("poll")  # the reaper polls the owner instead of waiting on a pidfd
         self.proc = subprocess.Popen(

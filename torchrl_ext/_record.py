@@ -45,7 +45,8 @@ class Loss:
     descendants_killed: int
     #: The channel of the lost worker (its last command and message: what the slot owes).
     channel: ParentChannel
-    #: Its ``create_time`` (wall clock): how long it ran (the restart backoff's rows).
+    #: Its create time (``_identity.start_time``, on ``_identity.clock()``): its identity, and
+    #: how long it ran (the restart backoff's rows).
     create_time: float = 0.0
 
 

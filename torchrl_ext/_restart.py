@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from . import _identity
 from ._channel import is_forwarded_call
 from ._compat import PER_START_KWARGS, Upstream
 from ._cpython import process_kwargs, process_target, set_process_kwargs
@@ -356,10 +357,10 @@ class RestartEngine:
     ) -> dict[int, tuple[Launch, Loss, float]]:
         """Start each loss's replacement once its backoff (``restart_backoff``) has passed, the
         earliest due first, and install it: ``slot -> (launch, loss, backoff)``."""
-        now_wall, now = time.time(), time.monotonic()
+        now_started, now = _identity.clock(), time.monotonic()
         plans = []
         for lost in losses:
-            lived = (now_wall - (now - lost.lost_at)) - lost.create_time
+            lived = (now_started - (now - lost.lost_at)) - lost.create_time
             delay = self.backoff.delay(lost.index, lived)
             plans.append((lost.lost_at + delay, delay, lost))
         launches: dict[int, tuple[Launch, Loss, float]] = {}

@@ -271,7 +271,7 @@ class StartWatch:
                 continue
             try:
                 proc = psutil.Process(pid)
-                ctime = proc.create_time()
+                ctime = _identity.start_time(proc)
             except psutil.Error:
                 continue
             stacks = _stacks.capture(pid, ctime, report)

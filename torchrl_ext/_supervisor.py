@@ -127,9 +127,9 @@ class WorkerSupervisor:
         if not isinstance(channel, ParentChannel):
             recorder = RestartableChannel(channel) if self._replaceable else ParentChannel(channel)
         try:
-            ctime = psutil.Process(process.pid).create_time()
+            ctime = _identity.start_time(psutil.Process(process.pid))
         except psutil.Error:
-            ctime = time.time()
+            ctime = 0.0  # already gone: no process of today has this identity
         _reaper_client.watch(process.pid, ctime, process.pid)
         worker = WorkerRecord(index, process, process.pid, ctime, recorder)
         recorder.on_eof = functools.partial(self._loss_of, worker)

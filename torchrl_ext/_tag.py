@@ -111,7 +111,7 @@ def _tagging_spawnv(previous: Callable[..., int]) -> Callable[..., int]:
             env[WORKER_VAR] = MP_FORKSERVER_SUFFIX
         pid = _platform.spawn_passing_fds(path, args, passfds, env, own_group=kind == "worker")
         try:
-            ctime = psutil.Process(pid).create_time()
+            ctime = _identity.start_time(psutil.Process(pid))
         except psutil.Error:  # already gone: nothing to watch
             return pid
         if kind == "worker":

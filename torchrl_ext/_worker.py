@@ -26,8 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
-
 from . import _cpython, _identity, _platform, _reaper_client, _stacks
 from ._done_signal import NotifyingFlags
 from ._errors import DaemonicWorkerError
@@ -243,8 +241,8 @@ def prepare_process(config: WorkerConfig) -> None:
     os.environ[_identity.OWNER_VAR] = config.tag
     os.environ[_identity.WORKER_VAR] = str(config.index)
     if config.reaper_fifo:
-        me = psutil.Process()
-        _reaper_client.notify_watch(config.reaper_fifo, me.pid, me.create_time(), os.getpgrp())
+        pid, ctime = _identity.me()
+        _reaper_client.notify_watch(config.reaper_fifo, pid, ctime, os.getpgrp())
     if config.child_start_method is not None:
         multiprocessing.set_start_method(config.child_start_method, force=True)
     current = multiprocessing.current_process()
