@@ -64,7 +64,7 @@ define next_suite
 endef
 
 # TorchRL 0.15 (the stand-in build until the registry serves 0.15.0), in CI's time budget: the
-# cases parametrized on spawn are left to the main suite (as on 0.10.1) (27 of 475 cases, 38 % of this suite's
+# cases parametrized on spawn are left to the main suite, as on 0.10.1 (27 of 475 cases, 38 % of this suite's
 # test time: 897 of 2371 s, measured on 2 loaded cores). On 0.15 TorchRL's own default start method is spawn, so the
 # upstream side of every contract case on the default path still runs spawned workers, and the
 # managed spawn path differs from forkserver (which runs) only in how the worker process is

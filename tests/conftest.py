@@ -106,12 +106,9 @@ def start_kwargs(method: str) -> dict[str, Any]:
 
 
 def _key(proc: psutil.Process) -> tuple[int, float] | None:
-    from torchrl_ext._identity import start_time  # the library's identity: no clock step moves it
+    from torchrl_ext._identity import key_of  # the library's identity: no clock step moves it
 
-    try:
-        return (proc.pid, start_time(proc))
-    except psutil.Error:
-        return None
+    return key_of(proc)
 
 
 def _is_helper(proc: psutil.Process) -> bool:
@@ -120,7 +117,8 @@ def _is_helper(proc: psutil.Process) -> bool:
     child shows its server's command line)."""
     from torchrl_ext import _forkserver
 
-    if _key(proc) is not None and _key(proc) == _forkserver.server_key():
+    key = _key(proc)
+    if key is not None and key == _forkserver.server_key():
         return True
     try:
         cmd = " ".join(proc.cmdline())
