@@ -505,7 +505,8 @@ def _loss_seen(env: Any, slot: int) -> bool:
         return False
     if supervisor.failure() is not None:
         return True
-    return slot in supervisor.lost_slots() and supervisor.loss_handled(slot)
+    losses = [loss.index for loss in supervisor.losses()]
+    return slot in losses and supervisor._worker(slot).handled.is_set()
 
 
 def kill_between_calls(env: Any, slot: int) -> int:

@@ -212,7 +212,8 @@ def test_reset_in_flight_is_replayed_on_the_replacement(method: str, tmp_path: P
 
 @pytest.mark.parametrize(
     # not spawn: conftest.NOT_SPAWNED
-    "method", [pytest.param("fork", marks=pytest.mark.compat), "forkserver", "preloaded"]
+    "method",
+    [pytest.param("fork", marks=pytest.mark.compat), "forkserver", "preloaded"],
 )
 def test_hung_step_is_killed_then_restarted_or_raised(method: str, tmp_path: Path) -> None:
     # The hung worker holds a simulator (started in __init__: a reset, which step_timeout bounds
@@ -712,7 +713,7 @@ def _make_blocking_env(**kwargs: Any) -> _BlockingEnv:
 def _lost_slots(env: ManagedParallelEnv) -> list[int]:
     """The slots whose loss the supervisor has recorded and no call has handled yet."""
     supervisor = env.__dict__["_trx"].supervisor
-    return [] if supervisor is None else supervisor.lost_slots()
+    return [] if supervisor is None else [loss.index for loss in supervisor.losses()]
 
 
 def _lose_before_the_call(env: ManagedParallelEnv, slot: int) -> int:

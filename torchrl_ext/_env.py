@@ -91,7 +91,7 @@ class ManagedParallelEnv(ParallelEnv):
             whose env raised) are replaced within ``restart_window``; the call in flight returns
             normally and the slot's transition is marked (``("next", "worker_restarted")``,
             ``truncated`` and ``done`` True, ``terminated`` False; see docs/restarts.md).
-            ``0`` (default): the first loss raises :class:`WorkerDiedError`, as before.
+            ``0`` (default): the first loss raises :class:`WorkerDiedError` (fail fast).
             Needs TorchRL's shared buffers (``use_buffers``, the default) and tensor-only specs.
         restart_window: seconds over which ``max_restarts`` is counted; ``None`` (default):
             the env's whole life.

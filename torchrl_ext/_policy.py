@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -195,7 +194,3 @@ def parse_bytes(value: int | str, name: str) -> int:
     if size <= 0:
         raise ValueError(f"{name} must be positive, got {value!r}")
     return size
-
-
-#: ``on_restart``: called in the main process with each record.
-RestartCallback = Callable[[RestartRecord], None]

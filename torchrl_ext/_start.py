@@ -218,8 +218,8 @@ class EnvState:
         self.stats.restarts = self.engine.restarts
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # As before the redesign: a copy (a collector worker's) starts its workers by TorchRL's
-        # start method, decided where it runs, not by the sender's preloaded server.
+        # A copy (a collector worker's) starts its workers by TorchRL's start method, decided
+        # where it runs, not by the sender's preloaded server.
         return (EnvState, (self.options, None))
 
 

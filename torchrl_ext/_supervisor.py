@@ -407,16 +407,6 @@ class WorkerSupervisor:
         with self._lock:
             return [w.loss() for w in self.lost]
 
-    def lost_slots(self) -> list[int]:
-        """The slots whose loss is recorded and not yet handled by a restart."""
-        with self._lock:
-            return [w.index for w in self.lost]
-
-    def loss_handled(self, index: int) -> bool:
-        """Whether slot ``index``'s worker exited and its exit is fully handled."""
-        worker = self._worker(index)
-        return worker.handled.is_set()
-
     def wait_handled(self, index: int, timeout: float) -> None:
         """Wait until the exit of slot ``index``'s current worker is handled (tree killed, loss
         recorded); then raise the env's failure if there is one. A worker whose exit is not

@@ -69,11 +69,6 @@ class Tag:
         """``(pid, create time)`` of the owning process."""
         return (self.owner_pid, self.owner_create_time)
 
-    def same_owner(self, other: Tag) -> bool:
-        return self.owner_pid == other.owner_pid and _identity.same_ctime(
-            self.owner_create_time, other.owner_create_time
-        )
-
     def owner_alive(self) -> bool:
         """Whether the owning process still runs (a reused pid does not count)."""
         return _identity.running(self.owner_pid, self.owner_create_time)
