@@ -63,6 +63,7 @@ __all__ = [
     "Upstream",
     "check_supported",
     "default_start_method",
+    "describe_factory",
     "missing",
     "torchrl_default_start_method",
     "torchrl_release",
@@ -271,6 +272,11 @@ class Upstream:
         indices = list(indices)
         return indices.index(slot) if slot in indices else None
 
+    def factory_of(self, slot: int) -> Any:
+        """The factory TorchRL calls for the owner's worker ``slot`` (one for all, or a list)."""
+        factories = self.owner.factories
+        return factories[slot] if isinstance(factories, list | tuple) and slot < len(factories) else factories
+
     def drop_buffers(self) -> None:
         """Forget the shared buffers (a later start makes new ones)."""
         for attr in (Upstream.slot_buffers, Upstream.parent_buffer):
@@ -286,6 +292,14 @@ def unwrap_factory(fn: Any) -> Any:
             break
         fn = inner
     return fn
+
+
+def describe_factory(fn: Any) -> str:
+    """A factory as a user recognises it: ``module.name``, or its repr."""
+    inner = unwrap_factory(fn)
+    name = getattr(inner, "__qualname__", None)
+    module = getattr(inner, "__module__", None)
+    return f"{module}.{name}" if name and module else repr(fn)
 
 
 _init_params = inspect.signature(ParallelEnv.__init__).parameters

@@ -31,9 +31,9 @@ from torchrl.envs import EnvBase
 from torchrl.envs.env_creator import EnvCreator
 
 from . import _identity, _platform, _reaper_client
+from ._compat import describe_factory
 from ._errors import unpicklable_note
 from ._intercept import get_env_metadata_patch
-from ._replace import describe_factory
 from ._tag import Tag, tagged_spawns
 from ._wire import exception_report, rebuild_exception
 from ._worker import WorkerConfig, end_own_descendants, exit_now, prepare_process

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import _platform
-from ._compat import PER_START_KWARGS, WORKER_KWARGS, Upstream, unwrap_factory
+from ._compat import PER_START_KWARGS, WORKER_KWARGS, Upstream
 from ._cpython import process_kwargs, process_start_method
 from ._done_signal import Answers
 from ._intercept import ConfiguredKwargs
@@ -37,7 +37,6 @@ __all__ = [
     "Launcher",
     "await_all",
     "await_answers",
-    "describe_factory",
     "greet",
     "handshake",
     "read_answer",
@@ -161,11 +160,6 @@ class Launcher:
                 found.append((held, position))
         return found
 
-    def factory_name(self, env: Upstream, slot: int) -> str:
-        factories = env.owner.factories
-        fn = factories[slot] if isinstance(factories, list | tuple) and slot < len(factories) else factories
-        return describe_factory(fn)
-
 
 class _FirstSent:
     """A parent channel that remembers the first message sent through it."""
@@ -181,14 +175,6 @@ class _FirstSent:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._channel, name)
-
-
-def describe_factory(fn: Any) -> str:
-    """A factory as a user recognises it: ``module.name``, or its repr."""
-    inner = unwrap_factory(fn)
-    name = getattr(inner, "__qualname__", None)
-    module = getattr(inner, "__module__", None)
-    return f"{module}.{name}" if name and module else repr(fn)
 
 
 def await_all(

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import _identity
 from ._channel import is_forwarded_call
-from ._compat import PER_START_KWARGS, Upstream
+from ._compat import PER_START_KWARGS, Upstream, describe_factory
 from ._cpython import process_kwargs, process_target, set_process_kwargs
 from ._done_signal import Answers, DoneSignal
 from ._errors import WorkerDiedError, WorkerHungError, WorkerStartTimeoutError
@@ -344,7 +344,7 @@ class RestartEngine:
         ):
             self._start_timed_out[slot] = (
                 launches[slot][0].process.pid,
-                self.launcher.factory_name(env, slot),
+                describe_factory(env.factory_of(slot)),
             )
         ready = {slot: item for slot, item in launches.items() if item[0].ready}
         seeds = self._seed_round(supervisor, env, ready)

@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 
 from . import _cpython, _forkserver, _identity, _lifecycle, _platform, _reaper_client, _stacks
-from ._compat import UPSTREAM_DEFAULTS, Upstream, default_start_method, unwrap_factory
+from ._compat import UPSTREAM_DEFAULTS, Upstream, default_start_method, describe_factory, unwrap_factory
 from ._done_signal import has_spare_core
 from ._errors import DaemonicParentError, WorkerStartTimeoutError, unpicklable_note
 from ._intercept import (
@@ -37,7 +37,6 @@ from ._intercept import (
 )
 from ._metadata import metadata_in_subprocess
 from ._options import Options
-from ._replace import describe_factory
 from ._report import SupervisionReport
 from ._restart import RestartEngine, raise_failure
 from ._stats import EnvStats
@@ -287,10 +286,9 @@ class StartWatch:
             return None
         index = min(self.timed_out)
         pid, stacks = self.timed_out[index]
-        factories = self.env.factories
-        fn = factories[index] if isinstance(factories, list | tuple) else factories
         assert self.timeout is not None
-        return WorkerStartTimeoutError(index, pid, self.timeout, describe_factory(fn), stacks=stacks)
+        name = describe_factory(self.env.factory_of(index))
+        return WorkerStartTimeoutError(index, pid, self.timeout, name, stacks=stacks)
 
 
 def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -> None:
@@ -356,7 +354,7 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
         failure = abort_start(env, supervisor, err, options.shutdown_timeout)
         failure = watch.failure() or failure
         if failure is None:
-            explain_pickling(err, plan, upstream.factories, user_kwargs)
+            explain_pickling(err, plan, upstream, user_kwargs)
             raise
         raise_failure(failure)
     finally:
@@ -380,7 +378,7 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
     log.debug("%s started %d workers: %s", label, len(processes), state.worker_pids)
 
 
-def explain_pickling(err: BaseException, plan: StartPlan, factories: Any, kwargs: list[Any]) -> None:
+def explain_pickling(err: BaseException, plan: StartPlan, upstream: Upstream, kwargs: list[Any]) -> None:
     """A start that failed before any worker did, under a start method that pickles each
     worker's factory and kwargs (all but fork): if one of them does not pickle, a note on
     ``err`` (whose type stays the one pickling raised) names it, its worker, and the fixes."""
@@ -393,7 +391,7 @@ def explain_pickling(err: BaseException, plan: StartPlan, factories: Any, kwargs
     )
     probed: set[tuple[int, int]] = set()
     for index, worker_kwargs in enumerate(kwargs):
-        fn = factories[index] if isinstance(factories, list | tuple) else factories
+        fn = upstream.factory_of(index)
         if (id(fn), id(worker_kwargs)) in probed:
             continue
         probed.add((id(fn), id(worker_kwargs)))
