@@ -12,7 +12,8 @@ import pytest
 
 from tests.envs import make_env
 from torchrl_ext import ManagedParallelEnv
-from torchrl_ext._options import Options
+from torchrl_ext._options import ACCEPTED as _ACCEPTED
+from torchrl_ext._options import DEFAULTS, Options
 
 #: Refused values of each option: wrong types first, then values out of range.
 REFUSED: dict[str, list[Any]] = {
@@ -62,6 +63,18 @@ def _options() -> set[str]:
 @pytest.mark.compat
 def test_the_table_names_every_option() -> None:
     assert set(REFUSED) == _options()
+
+
+@pytest.mark.compat
+def test_the_signature_declares_the_options_defaults_and_each_reaches_the_options() -> None:
+    """The env's signature (what a user reads) and ``DEFAULTS`` (what ``Options`` resolves from)
+    list the same options with the same defaults, and each one is checked by ``ACCEPTED``; an
+    option given to the env reaches ``Options.validated`` (a refused value raises)."""
+    parameters = inspect.signature(ManagedParallelEnv.__init__).parameters.values()
+    declared = {p.name: p.default for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert declared == DEFAULTS
+    assert set(_ACCEPTED) == set(DEFAULTS)
+    assert Options.validated() == Options.validated(**DEFAULTS)
 
 
 @pytest.mark.compat

@@ -155,7 +155,28 @@ class ManagedParallelEnv(ParallelEnv):
         collect_stats: bool = True,
         **kwargs: Any,
     ) -> None:
-        options = Options.from_arguments(locals())
+        options = Options.validated(
+            daemon_workers=daemon_workers,
+            daemon=daemon,
+            shutdown_timeout=shutdown_timeout,
+            handle_signals=handle_signals,
+            reap_orphans=reap_orphans,
+            metadata_in_subprocess=metadata_in_subprocess,
+            spin_wait=spin_wait,
+            exit_with_parent=exit_with_parent,
+            preload=preload,
+            child_start_method=child_start_method,
+            max_restarts=max_restarts,
+            restart_window=restart_window,
+            step_timeout=step_timeout,
+            restart_on_error=restart_on_error,
+            restart_backoff=restart_backoff,
+            on_restart=on_restart,
+            start_timeout=start_timeout,
+            recycle_memory=recycle_memory,
+            recycle_every=recycle_every,
+            collect_stats=collect_stats,
+        )
         check_supported()
         modules = preload_modules(options, create_env_fn, kwargs.get("mp_start_method"))
         self.__dict__["_trx"] = EnvState(options, modules)

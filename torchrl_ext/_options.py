@@ -1,28 +1,51 @@
 """The options of one ``ManagedParallelEnv``: one frozen dataclass, validated once.
 
-``ManagedParallelEnv.__init__`` names every option in its signature (the documented API) and
-hands them here by name; nothing else lists them. An env pickled (sent to a collector worker)
-carries its :class:`Options` as they are.
+:data:`DEFAULTS` declares every option with its default; ``ManagedParallelEnv.__init__`` names
+the same options in its signature (the documented API; a test checks the two agree) and hands
+them here by name. An env pickled (sent to a collector worker) carries its :class:`Options` as
+they are.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import multiprocessing
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ._compat import UPSTREAM_DEFAULTS
 from ._done_signal import DEFAULT_SPIN
-from ._policy import RestartRecord, parse_bytes
+from ._policy import DEFAULT_RESTART_BACKOFF, RestartRecord, parse_bytes
 
-__all__ = ["ACCEPTED", "DEFAULT_SHUTDOWN_TIMEOUT", "Options"]
+__all__ = ["ACCEPTED", "DEFAULTS", "DEFAULT_SHUTDOWN_TIMEOUT", "Options"]
 
 #: As the installed TorchRL: 10 s (TorchRL 0.10 hard-codes the same wait).
 DEFAULT_SHUTDOWN_TIMEOUT: float = UPSTREAM_DEFAULTS["shutdown_timeout"]
+
+#: Every option and its default, as ``ManagedParallelEnv.__init__`` declares them (keyword-only).
+DEFAULTS: dict[str, Any] = {
+    "daemon_workers": None,
+    "daemon": None,
+    "shutdown_timeout": None,
+    "handle_signals": True,
+    "reap_orphans": True,
+    "metadata_in_subprocess": None,
+    "spin_wait": None,
+    "exit_with_parent": None,
+    "preload": True,
+    "child_start_method": None,
+    "max_restarts": 0,
+    "restart_window": None,
+    "step_timeout": None,
+    "restart_on_error": False,
+    "restart_backoff": DEFAULT_RESTART_BACKOFF,
+    "on_restart": None,
+    "start_timeout": None,
+    "recycle_memory": None,
+    "recycle_every": None,
+    "collect_stats": True,
+}
 
 
 @dataclass(frozen=True)
@@ -65,15 +88,13 @@ class Options:
 
     @classmethod
     def validated(cls, **arguments: Any) -> Options:
-        """Check and resolve the options as ``ManagedParallelEnv`` takes them (any of its
-        keyword-only parameters, by name; the others take its defaults: its signature is the
-        one list of the options); raise ``ValueError`` naming the parameter to change and what
-        it accepts (:data:`ACCEPTED`)."""
-        defaults = _defaults()
-        unknown = sorted(set(arguments) - set(defaults))
+        """Check and resolve the options as ``ManagedParallelEnv`` takes them (by name; the
+        others take their :data:`DEFAULTS`); raise ``ValueError`` naming the parameter to change
+        and what it accepts (:data:`ACCEPTED`)."""
+        unknown = sorted(set(arguments) - set(DEFAULTS))
         if unknown:
             raise TypeError(f"not options of ManagedParallelEnv: {unknown}")
-        given = {**defaults, **arguments}
+        given = {**DEFAULTS, **arguments}
         for name, value in given.items():
             accepts, check = ACCEPTED[name]
             if not check(value):
@@ -120,12 +141,6 @@ class Options:
             recycle_every=None if given["recycle_every"] is None else int(given["recycle_every"]),
             collect_stats=given["collect_stats"],
         )
-
-    @classmethod
-    def from_arguments(cls, arguments: Mapping[str, Any]) -> Options:
-        """:meth:`validated` with the options found in ``arguments`` (the caller's ``locals()``)."""
-        names = _defaults()
-        return cls.validated(**{name: value for name, value in arguments.items() if name in names})
 
     @property
     def spin(self) -> float:
@@ -288,12 +303,3 @@ def _resolve_daemon(daemon_workers: bool | None, daemon: bool | None) -> bool:
     if daemon is not None:
         return bool(daemon)
     return bool(UPSTREAM_DEFAULTS["daemon"])
-
-
-@functools.cache
-def _defaults() -> dict[str, Any]:
-    """The options and their defaults: ``ManagedParallelEnv``'s keyword-only parameters."""
-    from ._env import ManagedParallelEnv  # the env imports this module
-
-    parameters = inspect.signature(ManagedParallelEnv.__init__).parameters.values()
-    return {p.name: p.default for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
