@@ -30,10 +30,11 @@ from ._compat import (
 from ._intercept import SupervisedWorkers
 from ._marks import add_restart_keys
 from ._options import DEFAULT_SHUTDOWN_TIMEOUT, Options
+from ._plan import preload_modules, spec_reader
 from ._policy import DEFAULT_RESTART_BACKOFF, RestartRecord
 from ._report import SupervisionReport
 from ._restart import raise_failure
-from ._start import EnvState, no_faults, preload_modules, spec_reader, start_workers
+from ._start import EnvState, no_faults, start_workers
 from ._stats import RESET, STEP, STEP_AND_MAYBE_RESET, EpisodeEnds, StatsView, snapshot, stats_view
 from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor
 

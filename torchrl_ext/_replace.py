@@ -18,19 +18,17 @@ import time
 import weakref
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import _platform
 from ._compat import PER_START_KWARGS, WORKER_KWARGS, Upstream
 from ._cpython import process_kwargs, process_start_method
 from ._done_signal import Answers
 from ._intercept import ConfiguredKwargs
+from ._plan import StartPlan
 from ._supervisor import WorkerSupervisor
 from ._tag import tagged_spawns
 from ._templates import copy_unstarted
-
-if TYPE_CHECKING:
-    from ._start import StartPlan
 
 __all__ = [
     "Launch",

@@ -22,7 +22,7 @@ import logging
 import time
 import weakref
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 from . import _identity
 from ._channel import is_forwarded_call
@@ -33,15 +33,13 @@ from ._errors import WorkerDiedError, WorkerHungError, WorkerStartTimeoutError
 from ._intercept import is_worker_entry
 from ._marks import clear_marks, clear_root_marks, mark_transition
 from ._options import Options
+from ._plan import StartPlan
 from ._policy import Backoff, RestartBudget, RestartRecord, replacement_seed, restarts_on_error
 from ._record import Loss
 from ._recycle import Recycler
 from ._replace import LOSS_WAIT, Launch, Launcher, handshake, reset_all, seed_all
 from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor
 from ._templates import recording_starts
-
-if TYPE_CHECKING:  # _start builds the engine
-    from ._start import StartPlan
 
 __all__ = ["RestartEngine", "RestartRecord", "raise_failure"]
 
