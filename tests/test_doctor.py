@@ -17,10 +17,10 @@ import psutil
 import pytest
 
 from tests.conftest import ROOT, child_env
-from torchrl_ext import _compat, _doctor, _platform
+from torchrl_ext import _compat, _doctor, _platform, _probes
 from torchrl_ext.__main__ import main
 from torchrl_ext._doctor import Check
-from torchrl_ext._platform import OrphanProbe
+from torchrl_ext._probes import OrphanProbe
 
 NAMES = [
     "pidfd",
@@ -157,7 +157,7 @@ def test_cli_exit_code_follows_the_checks(
 # ------------------------------------------------------------------ the orphan test
 def test_orphan_probe_is_judged_without_becoming_a_subreaper() -> None:
     was_subreaper = _platform.is_child_subreaper()
-    probe = _platform.probe_orphan_reaping()
+    probe = _probes.probe_orphan_reaping()
     assert _platform.is_child_subreaper() == was_subreaper
     assert probe.pid is not None and probe.adopter_pid is not None
     if was_subreaper:
@@ -183,7 +183,7 @@ def test_orphan_probe_reaps_its_orphan_when_this_process_is_a_subreaper() -> Non
     was_subreaper = _platform.is_child_subreaper()
     _platform.set_child_subreaper(True)
     try:
-        probe = _platform.probe_orphan_reaping()
+        probe = _probes.probe_orphan_reaping()
     finally:
         _platform.set_child_subreaper(was_subreaper)
     assert probe.adopter_pid == os.getpid()
@@ -359,12 +359,12 @@ def test_exit_code_and_verdict() -> None:
         assert json.loads(_doctor.format_json(bad))["ok"] is False
 
 
-def test_platform_measurements() -> None:
-    size = _platform.shm_size()
+def test_probe_measurements() -> None:
+    size = _probes.shm_size()
     if os.path.isdir("/dev/shm"):
         assert size == shutil.disk_usage("/dev/shm").total
-    assert _platform.shm_size("/nonexistent/shm") is None
-    soft, hard = _platform.open_files_limit()
+    assert _probes.shm_size("/nonexistent/shm") is None
+    soft, hard = _probes.open_files_limit()
     assert soft == -1 or soft > 0
     assert hard == -1 or hard >= soft
     assert _platform.process_name(os.getpid()) == psutil.Process().name()

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from . import _platform
+from . import _platform, _probes
 from ._compat import TESTED_RELEASES, TESTED_TORCHRL
 
 __all__ = [
@@ -166,9 +166,9 @@ _INIT_HINT = "run an init as PID 1: `docker run --init`, or tini / dumb-init as 
 
 
 def check_orphan_reaping(
-    probe: _platform.OrphanProbe | None, pid1_name: str | None, own_pid: int | None = None
+    probe: _probes.OrphanProbe | None, pid1_name: str | None, own_pid: int | None = None
 ) -> Check:
-    """Judge :func:`torchrl_ext._platform.probe_orphan_reaping`, or, when it did not decide
+    """Judge :func:`torchrl_ext._probes.probe_orphan_reaping`, or, when it did not decide
     (``probe`` is ``None`` or says ``reaped=None``), PID 1's name.
 
     Example:
@@ -435,14 +435,14 @@ def run_checks(*, orphan_test: bool = True, orphan_timeout: float = 5.0) -> list
     """Measure this machine and run every check, in the order of the report.
 
     ``orphan_test=False`` judges PID 1 by its name instead of making a test orphan (see
-    :func:`torchrl_ext._platform.probe_orphan_reaping`).
+    :func:`torchrl_ext._probes.probe_orphan_reaping`).
     """
     import torch
 
     from . import _compat
     from ._forkserver import start_method_chosen_by_user
 
-    probe = _platform.probe_orphan_reaping(orphan_timeout) if orphan_test else None
+    probe = _probes.probe_orphan_reaping(orphan_timeout) if orphan_test else None
     _log.debug("orphan probe: %s", probe)
     torchrl_version = _distribution_version("torchrl") or _distribution_version("torchrl-nightly")
     if torchrl_version is None:
@@ -454,8 +454,8 @@ def run_checks(*, orphan_test: bool = True, orphan_timeout: float = 5.0) -> list
         check_parent_death_signal(_platform.has_parent_death_signal()),
         check_child_subreaper(_platform.has_prctl()),
         check_orphan_reaping(probe, _platform.process_name(1)),
-        check_shm(_platform.shm_size()),
-        check_open_files(_platform.open_files_limit()),
+        check_shm(_probes.shm_size()),
+        check_open_files(_probes.open_files_limit()),
         check_start_method(
             multiprocessing.get_start_method(allow_none=True), _torchrl_default_start_method()
         ),
