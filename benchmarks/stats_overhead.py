@@ -60,11 +60,11 @@ def _thread_cpu(thread: threading.Thread) -> float:
 
 def trial(steps: int, first: str = "on") -> dict[str, Any]:
     """``steps`` timed steps of each env, interleaved; ``first``: the side built first."""
-    import overhead
+    import trivial_env
 
     from torchrl_ext import ManagedParallelEnv
 
-    fn = functools.partial(overhead.make_trivial_env_ref(), loader=False)
+    fn = functools.partial(trivial_env.make_trivial_env, loader=False)
     order = ("on", "off") if first == "on" else ("off", "on")
     envs: dict[str, Any] = {}
     supervisors: dict[str, threading.Thread] = {}

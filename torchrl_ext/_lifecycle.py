@@ -20,7 +20,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any, Protocol
 
-from . import _platform
+from . import _forkserver, _platform, _reaper_client
 
 __all__ = ["close_all", "live_envs", "multiprocessing_parent", "register", "unregister"]
 
@@ -109,8 +109,7 @@ def close_all(reason: str) -> None:
 
 def _at_exit() -> None:
     close_all("interpreter exit")
-    from . import _forkserver, _reaper_client  # once every env is closed: its workers are gone
-
+    # Once every env is closed: its workers are gone.
     _forkserver.stop()
     _reaper_client.stop_now()
 

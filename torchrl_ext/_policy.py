@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from ._errors import OomKill, WorkerDiedError
+from ._errors import OomKill, WorkerDiedError, format_exitcode
 
 __all__ = [
     "DEFAULT_RESTART_BACKOFF",
@@ -80,8 +80,6 @@ class RestartRecord:
         return self.cause in ("memory", "episodes")
 
     def __str__(self) -> str:
-        from ._errors import format_exitcode
-
         cause = self.cause if isinstance(self.cause, str) else format_exitcode(self.cause)
         if self.recycled:
             return (

@@ -46,20 +46,18 @@ import dataclasses
 import logging
 import multiprocessing.connection
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from . import _platform
 from ._channel import RestartableChannel
 from ._compat import Upstream
 from ._errors import format_exitcode
+from ._options import Options
 from ._policy import RecycleCause, RestartRecord, replacement_seed
 from ._replace import Launch, Launcher, await_answers, greet, read_answer, send_seed
 from ._stats import SAMPLE_INTERVAL, WATCH_SHARE
 from ._supervisor import WorkerSupervisor
 from ._worker import PREPARE_RESET
-
-if TYPE_CHECKING:
-    from ._options import Options
 
 __all__ = ["Recycler"]
 

@@ -32,18 +32,17 @@ import time
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
-import psutil
 import torch
 from tensordict import TensorDict
 
-from . import _identity, _platform
+from . import _platform
 from ._compat import Upstream
+from ._errors import WorkerDiedError
 from ._marks import RESTARTED_KEY
-
-if TYPE_CHECKING:
-    from ._record import WorkerRecord
+from ._record import TreeSample, WorkerRecord, sample_tree
+from ._status import publish
 
 __all__ = [
     "PSS_INTERVAL",
@@ -52,8 +51,6 @@ __all__ = [
     "WINDOW",
     "EnvStats",
     "StatsView",
-    "TreeSample",
-    "sample_tree",
     "snapshot",
     "stats_view",
 ]
@@ -284,60 +281,12 @@ class LossCounts:
 
     def count(self, hung: bool, failure: BaseException) -> None:
         """One more loss: a hang, a death, or an exception of the env."""
-        from ._errors import WorkerDiedError
-
         if hung:
             self.hangs += 1
         elif isinstance(failure, WorkerDiedError):
             self.deaths += 1
         else:
             self.env_errors += 1
-
-
-@dataclass(frozen=True)
-class TreeSample:
-    """One worker's tree (the worker and every live descendant) at one moment."""
-
-    pid: int
-    #: Resident: each process's pages counted in full, those its processes share too.
-    rss: int
-    #: Proportional (each page divided by the processes that map it) and unique (the pages
-    #: no other process maps, summed per process: see docs/restarts.md); ``None`` until the
-    #: first ``smaps_rollup`` read of this worker, or where it cannot be read.
-    pss: int | None
-    uss: int | None
-    descendants: int
-    fds: int
-    #: ``time.monotonic()`` of the sample.
-    at: float
-
-
-def sample_tree(
-    pid: int, create_time: float, descendants: Iterable[psutil.Process], smaps: bool
-) -> TreeSample | None:
-    """The tree of worker ``pid`` now; with ``smaps`` (and ``smaps_rollup`` readable), its USS
-    and PSS too, read in the same pass as its RSS (about 10 ms per process with torch)."""
-    worker = _identity.same_process(pid, create_time)
-    if worker is None:
-        return None
-    smaps = smaps and _platform.has_smaps_rollup()
-    rss = pss = uss = fds = count = 0
-    for proc in [worker, *descendants]:
-        try:
-            if smaps:
-                memory = _platform.process_memory(proc.pid)
-                if memory is None:
-                    continue  # it ended between the listing and the read
-                rss, pss, uss = rss + memory.rss, pss + memory.pss, uss + memory.uss
-            else:
-                rss += proc.memory_info().rss
-            fds += proc.num_fds()
-        except (psutil.Error, OSError):
-            continue  # it ended between the listing and the read
-        count += proc is not worker
-    if not smaps:
-        return TreeSample(pid, rss, None, None, count, fds, time.monotonic())
-    return TreeSample(pid, rss, pss, uss, count, fds, time.monotonic())
 
 
 class TreeSampler:
@@ -428,8 +377,6 @@ class EnvStats:
         publish the env's status for ``python -m torchrl_ext status`` (``_status``)."""
         if not self.sampler.maybe_sample(workers) or self.status_path is None:
             return
-        from ._status import publish
-
         restarts = list(self.restarts)
         rows = [
             (w.index, w.pid, w.create_time, sum(r.slot == w.index and not r.recycled for r in restarts))

@@ -36,10 +36,10 @@ from . import _identity, _reaper_client, _stacks
 from ._channel import ParentChannel, RestartableChannel
 from ._done_signal import DoneSignal
 from ._errors import WorkerDiedError, WorkerHungError, format_exitcode
-from ._record import Loss, WorkerRecord, startup_failure
+from ._record import Loss, TreeSample, WorkerRecord, startup_failure
 from ._report import SupervisionReport, WorkerOutcome
 from ._shutdown import close_workers
-from ._stats import EnvStats, TreeSample
+from ._stats import EnvStats
 from ._succession import Succession
 from ._tag import Tag
 from ._watcher import Round, Watcher
