@@ -1,5 +1,6 @@
 """The CPython internals we rely on (``torchrl_ext._cpython.INVENTORY``) exist on this interpreter
-in the shape we use, the check notices when one goes, and no module but ``_cpython`` uses them.
+in the shape we use, the check notices when one goes, and each is used by the one module that
+owns it (``Internal.owner``) and by no other.
 
 NOTE [CPython internals] in ``torchrl_ext/_cpython.py``.
 """
@@ -25,9 +26,15 @@ pytestmark = pytest.mark.compat  # the whole file: every interpreter and TorchRL
 PACKAGE = Path(_cpython.__file__).resolve().parent
 LABELS = [e.label for e in INVENTORY]
 
-#: Uses outside ``_cpython`` that are allowed for now (none): the scan below fails both on a use
-#: not listed here and on an entry no longer used.
+#: Uses outside a name's owner module that are allowed for now (none): the scan below fails both
+#: on a use not listed here and on an entry no longer used.
 PENDING: dict[str, set[str]] = {}
+#: Inventory names that no code names, so the scan cannot see them used: what relies on each.
+UNNAMED: dict[str, str] = {
+    "multiprocessing.popen_spawn_posix.Popen._launch": "spawn launches through spawnv_passfds (_tag)",
+    "multiprocessing.process.BaseProcess._args": "copy.copy keeps it (_cpython.copy_unstarted_process)",
+    "multiprocessing.popen_fork.Popen.close": "called on a process's Popen (_cpython.release_exited_process)",
+}
 
 
 # --------------------------------------------------------------------------- existence
@@ -98,12 +105,13 @@ def _docstrings(tree: ast.AST) -> set[int]:
 
 def _own_attribute_names(tree: ast.AST) -> set[int]:
     """``self.x`` nodes (and ``getattr(self, "x")`` strings) in classes that extend no
-    ``multiprocessing`` class: a class's own attributes, whatever they are called."""
+    ``multiprocessing`` class (named directly or through ``_cpython``): a class's own
+    attributes, whatever they are called."""
     own: set[int] = set()
     for cls in ast.walk(tree):
         if not isinstance(cls, ast.ClassDef):
             continue
-        if any(ast.unparse(base).startswith("multiprocessing") for base in cls.bases):
+        if any(ast.unparse(base).startswith(("multiprocessing", "_cpython.")) for base in cls.bases):
             continue
         for node in ast.walk(cls):
             if isinstance(node, ast.Attribute) and ast.unparse(node.value) in ("self", "cls"):
@@ -131,19 +139,30 @@ def _matches(node: ast.AST, needle: str) -> bool:
         return text == needle or text.startswith(needle + ".")
     if isinstance(node, ast.ImportFrom) and node.module:
         return any(f"{node.module}.{a.name}" in (needle, needle.rsplit(".", 1)[0]) for a in node.names)
-    if isinstance(node, ast.Call) and len(node.args) >= 2:  # getattr/setattr(module, "name")
+    pair = node.args if isinstance(node, ast.Call) else node.elts if isinstance(node, ast.Tuple) else []
+    if len(pair) >= 2:  # getattr/setattr(module, "name"), or a (module, "name") patch target
         module, _, name = needle.rpartition(".")
-        second = node.args[1]
-        return (
-            ast.unparse(node.args[0]) == module and isinstance(second, ast.Constant) and second.value == name
-        )
+        second = pair[1]
+        return ast.unparse(pair[0]) == module and isinstance(second, ast.Constant) and second.value == name
     return False
 
 
-def scan(source: str) -> set[str]:
-    """Labels of the inventory names ``source`` uses (see ``Internal.needles``)."""
+def _inventory_declaration(tree: ast.Module) -> set[int]:
+    """The nodes of ``INVENTORY = (...)``: declaring a name is not using it."""
+    found: set[int] = set()
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == "INVENTORY" and node.value:
+            found.update(id(n) for n in ast.walk(node.value))
+    return found
+
+
+def scan(source: str, *, declares_inventory: bool = False) -> set[str]:
+    """Labels of the inventory names ``source`` uses (see ``Internal.needles``); with
+    ``declares_inventory`` (``_cpython``), its ``INVENTORY`` is not a use."""
     tree = ast.parse(source)
     skip = _docstrings(tree) | _own_attribute_names(tree)
+    if declares_inventory:
+        skip |= _inventory_declaration(tree)
     found = set()
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -167,6 +186,11 @@ def test_the_scan_finds_each_kind_of_use() -> None:
         "    p._kwargs = {}\n"
         "    patch(multiprocessing.util, 'spawnv_passfds')\n"
         "    return '--multiprocessing-fork' in p, getattr(p, '_target', None)\n"
+        "def h():\n"
+        "    return multiprocessing.resource_tracker, 'getfd'  # a patch target\n"
+        "class Child(_cpython.ForkServerPopen):\n"
+        "    def f(self):\n"
+        "        return self._fds  # a multiprocessing attribute, through _cpython's alias\n"
     )
     assert scan(source) == {
         "multiprocessing.process.BaseProcess._kwargs",
@@ -174,21 +198,50 @@ def test_the_scan_finds_each_kind_of_use() -> None:
         "multiprocessing.util.spawnv_passfds",
         "multiprocessing.forkserver.read_signed",
         "multiprocessing.spawn.get_command_line",
+        "multiprocessing.resource_tracker.getfd",
+        "multiprocessing.popen_forkserver.Popen.__init__",
     }
 
 
-def test_no_module_but_cpython_uses_an_inventory_name() -> None:
+def test_the_scan_skips_only_the_inventory_declaration() -> None:
+    source = (
+        "INVENTORY: tuple = (_entry('multiprocessing.spawn:prepare', 'callable', 'x', '', '_inheriting'),)\n"
+        "OTHER = ('_inheriting',)\n"
+    )
+    label = "multiprocessing.spawn._check_not_importing_main"
+    assert scan(source) == {label}
+    assert scan(source.splitlines()[0], declares_inventory=True) == set()
+    assert scan(source, declares_inventory=True) == {label}
+
+
+def _owner_file(entry: Internal) -> str:
+    return entry.owner.replace(".", "/") + ".py"
+
+
+def test_each_inventory_name_is_used_by_its_owner_only() -> None:
+    """Each module uses only the inventory names it owns, and each module uses every name it
+    owns (but those in ``UNNAMED``): a name has exactly one module allowed to use it."""
+    owners = {e.label: _owner_file(e) for e in INVENTORY}
+    assert not [f for f in owners.values() if not (PACKAGE / f).is_file()], "an owner is not a module"
+    assert set(UNNAMED) <= set(owners), "UNNAMED lists a name the inventory does not declare"
     found: dict[str, set[str]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "_cpython.py" and path.parent == PACKAGE:
-            continue
-        uses = scan(path.read_text(encoding="utf-8"))
+        rel = path.relative_to(PACKAGE).as_posix()
+        uses = scan(path.read_text(encoding="utf-8"), declares_inventory=rel == "_cpython.py")
         if uses:
-            found[str(path.relative_to(PACKAGE))] = uses
-    new = {f: sorted(u - PENDING.get(f, set())) for f, u in found.items() if u - PENDING.get(f, set())}
+            found[rel] = uses
+    foreign = {
+        f: sorted(u for u in uses if owners[u] != f and u not in PENDING.get(f, set()))
+        for f, uses in found.items()
+    }
+    foreign = {f: u for f, u in foreign.items() if u}
     stale = {f: sorted(p - found.get(f, set())) for f, p in PENDING.items() if p - found.get(f, set())}
-    assert not new, f"CPython internals used outside torchrl_ext/_cpython.py (add an accessor there): {new}"
+    unused = sorted(label for label, f in owners.items() if label not in found.get(f, set()) | set(UNNAMED))
+    seen = sorted(label for label in UNNAMED if any(label in uses for uses in found.values()))
+    assert not foreign, f"CPython internals used outside their owner (use an accessor there): {foreign}"
     assert not stale, f"PENDING lists uses that are gone (remove them from PENDING): {stale}"
+    assert not unused, f"CPython internals their owner does not use (fix the owner or the entry): {unused}"
+    assert not seen, f"UNNAMED lists names the scan now finds (remove them from UNNAMED): {seen}"
 
 
 # --------------------------------------------------------------------------- the accessors

@@ -21,7 +21,7 @@ import torch
 from tests.conftest import Scenario, pid_alive, start_kwargs
 from tests.envs import START_METHOD_CODES, make_env, make_probe_env
 from tests.polling import wait_until
-from torchrl_ext import ManagedParallelEnv, WorkerDiedError, _cpython, _forkserver
+from torchrl_ext import ManagedParallelEnv, WorkerDiedError, _forkserver
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -201,7 +201,7 @@ def test_unauthenticated_connections_fork_nothing_and_the_server_serves_on() -> 
             client.connect(address)
             alive_r, alive_w = os.pipe()
             try:
-                status_r, data_w = _cpython.request_fork(client, alive_r, [])
+                status_r, data_w = _forkserver.request_fork(client, alive_r, [])
             finally:
                 os.close(alive_r)
                 os.close(alive_w)

@@ -31,19 +31,35 @@ tensordict, TorchRL, the module defining the first env factory (and ``__main__``
 
 ``multiprocessing`` keeps one fork server per process for ``mp_start_method="forkserver"``;
 this one is separate, so a user's own forkserver (and its preload list) is untouched.
+
+The fork-server protocol is here too, whole: launching the server as spawn launches a child
+(:func:`interpreter_flags`, :func:`executable`, :func:`preparation_data`, :func:`prepare`),
+running ``multiprocessing``'s loop on authenticated connections (:func:`serve_forkserver`),
+asking it for a child (:func:`request_fork`) and the context whose processes it forks
+(:func:`forkserver_context`). This module is the only user of the CPython internals that
+``_cpython.INVENTORY`` lists with ``owner="_forkserver"`` (NOTE [CPython internals]).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import gc
 import hmac
 import importlib
+import io
 import json
 import logging
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.context
+import multiprocessing.forkserver
+import multiprocessing.process
+import multiprocessing.reduction
+import multiprocessing.resource_tracker
+import multiprocessing.spawn
+import multiprocessing.util
 import os
 import pickle
 import select
@@ -54,7 +70,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import psutil
@@ -111,6 +127,180 @@ def start_method_chosen_by_user() -> bool:
     return _BEFORE_TORCHRL == "spawn"
 
 
+# --------------------------------------------------------------------------- the fork-server protocol
+def interpreter_flags() -> list[str]:
+    """This interpreter's command-line flags, for a child interpreter."""
+    return subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
+
+
+def executable() -> str:
+    """The interpreter ``multiprocessing`` runs children with."""
+    return os.fsdecode(multiprocessing.spawn.get_executable())  # bytes on 3.11
+
+
+def preparation_data(name: str) -> dict[str, Any]:
+    """What spawn sends a child named ``name`` to set itself up with."""
+    return dict(multiprocessing.spawn.get_preparation_data(name))
+
+
+def prepare(data: dict[str, Any]) -> None:
+    """Set this process up from preparation data, as a spawned child does."""
+    multiprocessing.spawn.prepare(data)
+
+
+def import_main_as_spawn(data: dict[str, Any]) -> None:
+    """Import the main module from ``data`` (its name or path) as spawn does, with starting a
+    process at import refused as spawn refuses it."""
+    current = multiprocessing.process.current_process()
+    current._inheriting = True  # type: ignore[attr-defined]
+    try:
+        multiprocessing.spawn.prepare(data)
+    finally:
+        del current._inheriting  # type: ignore[attr-defined]
+
+
+def ensure_resource_tracker() -> None:
+    """Start ``multiprocessing``'s resource tracker if it is not running."""
+    multiprocessing.resource_tracker.ensure_running()
+
+
+def new_unix_address() -> str:
+    """A fresh address for a listening ``AF_UNIX`` socket."""
+    return str(multiprocessing.connection.arbitrary_address("AF_UNIX"))  # type: ignore[attr-defined]
+
+
+def is_abstract_address(address: Any) -> bool:
+    """Whether a socket address is in Linux's abstract namespace (no file to chmod or unlink)."""
+    return bool(multiprocessing.util.is_abstract_socket_namespace(address))
+
+
+def request_fork(client: socket.socket, alive_fd: int, fds: Sequence[int]) -> tuple[int, int]:
+    """Ask a fork server, over the connected ``client``, for a child inheriting ``fds``.
+
+    Returns ``(status_r, data_w)``: the child's pid and then its exit status arrive on the
+    first; the preparation data and the pickled process go to the second.
+    """
+    if len(fds) + 4 >= multiprocessing.forkserver.MAXFDS_TO_SEND:
+        raise ValueError(f"too many fds for one fork request ({len(fds)})")
+    status_r, child_w = os.pipe()
+    child_r, data_w = os.pipe()
+    try:
+        tracker_fd: Any = multiprocessing.resource_tracker.getfd()  # running: an int
+        multiprocessing.reduction.sendfds(client, [child_r, child_w, alive_fd, tracker_fd, *fds])
+    except BaseException:
+        os.close(status_r)
+        os.close(data_w)
+        raise
+    finally:
+        os.close(child_r)
+        os.close(child_w)
+    return status_r, data_w
+
+
+class _AdmittingSocketModule:
+    """Stands in for the ``socket`` module in ``multiprocessing.forkserver`` inside our server:
+    the same module, except that its listener accepts only what ``admit`` admits."""
+
+    def __init__(self, admit: Callable[[socket.socket], bool]) -> None:
+        class AdmittingListener(socket.socket):
+            def accept(self) -> tuple[socket.socket, Any]:
+                conn, address = super().accept()
+                if admit(conn):
+                    return conn, address
+                conn.close()
+                # main() skips an aborted connection and goes on serving.
+                raise ConnectionAbortedError(errno.ECONNABORTED, "fork request refused")
+
+        self.socket = AdmittingListener
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(socket, name)
+
+
+def serve_forkserver(listener_fd: int, alive_r: int, admit: Callable[[socket.socket], bool]) -> None:
+    """Run CPython's fork-server loop on ``listener_fd`` until ``alive_r`` reaches EOF; every
+    connection must pass ``admit(conn)`` before its fds or request are read. A refused
+    connection is closed and the loop goes on. Forked children get the plain module back."""
+
+    def restore() -> None:
+        setattr(multiprocessing.forkserver, "socket", socket)  # noqa: B010  (typeshed lacks it)
+
+    setattr(multiprocessing.forkserver, "socket", _AdmittingSocketModule(admit))  # noqa: B010
+    os.register_at_fork(after_in_child=restore)
+    try:
+        multiprocessing.forkserver.main(listener_fd, alive_r, [])
+    finally:
+        restore()
+
+
+_connect: list[Callable[[Sequence[int]], tuple[int, int]]] = []
+
+
+class _ServerChild(_cpython.ForkServerPopen):
+    """A child forked by the server :func:`forkserver_context` was given. Its exit status is
+    read under a lock: two threads reading it at once (a supervisor's and the main thread's)
+    would make one of them see EOF and record 255 (``multiprocessing``'s own forkserver
+    ``Popen`` has that race)."""
+
+    def __init__(self, process_obj: Any) -> None:
+        self._status_lock = threading.Lock()
+        super().__init__(process_obj)
+
+    def _launch(self, process_obj: Any) -> None:
+        data = io.BytesIO()
+        prep = multiprocessing.spawn.get_preparation_data(process_obj.name)
+        multiprocessing.context.set_spawning_popen(self)
+        try:
+            multiprocessing.reduction.dump(prep, data)
+            multiprocessing.reduction.dump(process_obj, data)
+        finally:
+            multiprocessing.context.set_spawning_popen(None)
+        self.sentinel, write_fd = _connect[0](self.__dict__["_fds"])
+        # The child watches a duplicate of the data pipe's write end to see this process die.
+        keep = os.dup(write_fd)
+        close_fds = multiprocessing.util.close_fds  # type: ignore[attr-defined]
+        self.finalizer = multiprocessing.util.Finalize(self, close_fds, (keep, self.sentinel))
+        with open(write_fd, "wb", closefd=True) as pipe:
+            pipe.write(data.getbuffer())
+        self.pid = multiprocessing.forkserver.read_signed(self.sentinel)
+
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        if self.returncode is None:
+            timeout = 0 if flag == os.WNOHANG else None
+            if not multiprocessing.connection.wait([self.sentinel], timeout):
+                return None
+            with self._status_lock:
+                if self.returncode is None:
+                    try:
+                        self.returncode = multiprocessing.forkserver.read_signed(self.sentinel)
+                    except (OSError, EOFError):
+                        self.returncode = 255
+        result: int | None = self.returncode
+        return result
+
+
+class ForkServerProcess(multiprocessing.context.ForkServerProcess):
+    """A process of the server :func:`forkserver_context` was given. Its class name is that of
+    ``multiprocessing``'s own forkserver processes, because a process is named after its class
+    (``ForkServerProcess-2``): a worker shows the name upstream's workers have under
+    ``mp_start_method="forkserver"`` in its tracebacks and log records."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> _ServerChild:
+        return _ServerChild(process_obj)
+
+
+class _ServerContext(multiprocessing.context.ForkServerContext):
+    Process = ForkServerProcess
+
+
+def forkserver_context(connect: Callable[[Sequence[int]], tuple[int, int]]) -> Any:
+    """A forkserver context whose processes come from ``connect(fds) -> (status_r, data_w)``
+    (see :func:`request_fork`); one per process (a later call replaces ``connect``)."""
+    _connect[:] = [connect]
+    return _ServerContext()
+
+
 # --------------------------------------------------------------------------- in the server
 _server_pid: int | None = None
 
@@ -137,7 +327,7 @@ def _prepare_as_spawn(prep: dict[str, Any]) -> None:
     """Set up the server as spawn sets up a spawned child before it runs the main module:
     ``sys.argv``, the working directory, ``sys.path``, the original directory, the log level
     and the start method (NOTE [preloaded fork server])."""
-    _cpython.prepare({k: v for k, v in prep.items() if k not in _NOT_SERVER_PREP})
+    prepare({k: v for k, v in prep.items() if k not in _NOT_SERVER_PREP})
 
 
 def _import_main(prep: dict[str, Any]) -> None:
@@ -145,7 +335,7 @@ def _import_main(prep: dict[str, Any]) -> None:
     as ``__mp_main__`` (``__name__ != "__main__"``, so the script's guard holds)."""
     main: dict[str, Any] = {k: prep[k] for k in ("init_main_from_name", "init_main_from_path") if k in prep}
     if main:
-        _cpython.import_main_as_spawn(main)
+        import_main_as_spawn(main)
 
 
 def _preload(modules: Sequence[str], prep: dict[str, Any]) -> None:
@@ -271,7 +461,7 @@ def serve(
     os.write(status_w, b'{"ok": true}')
     os.close(status_w)
     try:
-        _cpython.serve_forkserver(listener_fd, alive_r, functools.partial(_admit, key=key))
+        serve_forkserver(listener_fd, alive_r, functools.partial(_admit, key=key))
     finally:
         # Its owner let go (the "alive" pipe reached EOF): leave without the interpreter's
         # teardown, which takes seconds with torch loaded; nothing here needs finalizing.
@@ -303,7 +493,7 @@ class _Server:
 
     def ensure_running(self) -> None:
         with self._server_lock:
-            _cpython.ensure_resource_tracker()
+            ensure_resource_tracker()
             if self._proc is not None:
                 if self._proc.poll() is None:
                     return
@@ -317,7 +507,7 @@ class _Server:
 
     def connect_to_new_process(self, fds: Sequence[int]) -> tuple[int, int]:
         """Ask the server (started if needed) for a child inheriting ``fds``; returns
-        ``(status_r, data_w)`` (see ``_cpython.request_fork``)."""
+        ``(status_r, data_w)`` (see :func:`request_fork`)."""
         with self._server_lock:
             self.ensure_running()
             address, alive_fd, key = self.address, self._alive_fd, self._authkey
@@ -325,13 +515,13 @@ class _Server:
         with socket.socket(socket.AF_UNIX) as client:
             client.connect(address)
             _authenticate(client, key)
-            return _cpython.request_fork(client, alive_fd, fds)
+            return request_fork(client, alive_fd, fds)
 
     def _start_server(self) -> None:
         modules = ["__main__", *self._wanted]
         # What spawn would set up in a child before it runs the main module (argv, cwd, sys.path,
         # the main module by path or by name); the server does the same before its preload.
-        prep = {k: v for k, v in _cpython.preparation_data("ignore").items() if k not in ("name", "authkey")}
+        prep = {k: v for k, v in preparation_data("ignore").items() if k not in ("name", "authkey")}
         owner_pid, owner_ctime = _identity.me()
         tag = Tag(owner_pid, owner_ctime, f"{owner_pid}.{TAG_SUFFIX}")
         env = dict(os.environ)
@@ -340,9 +530,9 @@ class _Server:
         arm = _platform.parent_death_outlives_worker(None)  # the server is this thread's child
         key = os.urandom(32)  # NOTE [authenticated server]: over the setup pipe only
         with socket.socket(socket.AF_UNIX) as listener:
-            address = _cpython.new_unix_address()
+            address = new_unix_address()
             listener.bind(address)
-            if not _cpython.is_abstract_address(address):
+            if not is_abstract_address(address):
                 os.chmod(address, 0o600)
             listener.listen()
             alive_r, alive_w = os.pipe()
@@ -350,10 +540,10 @@ class _Server:
             setup_r, setup_w = os.pipe()
             args = (listener.fileno(), alive_r, status_w, setup_r, owner_pid, arm)
             code = f"from torchrl_ext._forkserver import serve; serve(*{args!r})"
-            exe = _cpython.executable()
+            exe = executable()
             try:
                 proc = subprocess.Popen(
-                    [exe, *_cpython.interpreter_flags(), "-c", code],
+                    [exe, *interpreter_flags(), "-c", code],
                     pass_fds=(listener.fileno(), alive_r, status_w, setup_r),
                     stdin=subprocess.DEVNULL,
                     env=env,
@@ -440,7 +630,7 @@ class _Server:
         if self._alive_fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._alive_fd)
-        if self.address and not _cpython.is_abstract_address(self.address):
+        if self.address and not is_abstract_address(self.address):
             with contextlib.suppress(OSError):
                 os.unlink(self.address)
         self.in_child()
@@ -479,7 +669,7 @@ os.register_at_fork(after_in_child=_SERVER.in_child)
 
 
 #: A forkserver context whose processes are forks of the preloaded server.
-_CONTEXT: multiprocessing.context.BaseContext = _cpython.forkserver_context(_SERVER.connect_to_new_process)
+_CONTEXT: multiprocessing.context.BaseContext = forkserver_context(_SERVER.connect_to_new_process)
 
 
 def context(modules: Iterable[str] = ()) -> multiprocessing.context.BaseContext:
