@@ -500,7 +500,7 @@ def _index(slots: tuple[int, ...]) -> Any:
 
 def _loss_seen(env: Any, slot: int) -> bool:
     """The supervisor has handled the death of ``slot``'s worker (private state, read only)."""
-    supervisor = env.__dict__["_trx"].supervisor
+    supervisor = env._state.supervisor
     if supervisor is None:
         return False
     if supervisor.failure() is not None:

@@ -114,7 +114,7 @@ def test_an_assigned_shutdown_timeout_reaches_every_holder_of_the_options() -> N
     env = ManagedParallelEnv(1, make_env, daemon_workers=False, recycle_every=2)
     try:
         env.shutdown_timeout = 3.0
-        engine = env._trx.engine
+        engine = env._state.engine
         assert env.shutdown_timeout == 3.0
         assert engine.options.shutdown_timeout == engine.recycler.options.shutdown_timeout == 3.0
     finally:

@@ -712,7 +712,7 @@ def _make_blocking_env(**kwargs: Any) -> _BlockingEnv:
 
 def _lost_slots(env: ManagedParallelEnv) -> list[int]:
     """The slots whose loss the supervisor has recorded and no call has handled yet."""
-    supervisor = env.__dict__["_trx"].supervisor
+    supervisor = env._state.supervisor
     return [] if supervisor is None else [loss.index for loss in supervisor.losses()]
 
 

@@ -1,9 +1,9 @@
 """``ManagedParallelEnv``: TorchRL's ``ParallelEnv`` whose workers may have children.
 
 Only the ``ParallelEnv`` overrides live here, each a short delegation: the options
-(``_options``), the start (``_start``), the restart engine and its wait (``_restart``), the
-supervisor's one failure query (``_supervisor``), the bounded close (``_shutdown``). TorchRL's
-private names are reached through ``_compat.Upstream`` only.
+(``_options``), the start plan (``_plan``), the start and the close (``_start``), what happens
+around each call (``_calls``: the failure check, the wait, the measurement), ``stats()``
+(``_stats``). TorchRL's private names are reached through ``_compat.Upstream`` only.
 """
 
 from __future__ import annotations
@@ -12,14 +12,12 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from torchrl.envs import EnvBase, ParallelEnv
 
-from . import _lifecycle, _reaper_client
+from . import _calls
 from ._compat import (
     HAS_DAEMON_KWARG,
     HAS_SHUTDOWN_TIMEOUT_KWARG,
@@ -27,16 +25,13 @@ from ._compat import (
     check_supported,
     default_start_method,
 )
-from ._intercept import SupervisedWorkers
 from ._marks import add_restart_keys
 from ._options import DEFAULT_SHUTDOWN_TIMEOUT, Options
 from ._plan import preload_modules, spec_reader
 from ._policy import DEFAULT_RESTART_BACKOFF, RestartRecord
 from ._report import SupervisionReport
-from ._restart import raise_failure
-from ._start import EnvState, no_faults, start_workers
-from ._stats import RESET, STEP, STEP_AND_MAYBE_RESET, EpisodeEnds, StatsView, snapshot, stats_view
-from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor
+from ._start import EnvState, start_workers, stop_workers
+from ._stats import RESET, STEP, STEP_AND_MAYBE_RESET, StatsView, snapshot, stats_view
 
 __all__ = ["DEFAULT_SHUTDOWN_TIMEOUT", "ManagedParallelEnv"]
 
@@ -180,7 +175,7 @@ class ManagedParallelEnv(ParallelEnv):
         )
         check_supported()
         modules = preload_modules(options, create_env_fn, kwargs.get("mp_start_method"))
-        self.__dict__["_trx"] = EnvState(options, modules)
+        self.__dict__["_managed_state"] = EnvState(options, modules)
         if HAS_DAEMON_KWARG:
             kwargs["daemon"] = options.daemon_workers
         if HAS_SHUTDOWN_TIMEOUT_KWARG:
@@ -190,7 +185,7 @@ class ManagedParallelEnv(ParallelEnv):
 
     @property
     def _state(self) -> EnvState:
-        state: EnvState = self.__dict__["_trx"]
+        state: EnvState = self.__dict__["_managed_state"]
         return state
 
     @property
@@ -215,7 +210,7 @@ class ManagedParallelEnv(ParallelEnv):
     @shutdown_timeout.setter
     def shutdown_timeout(self, value: float) -> None:
         # TorchRL >= 0.13 assigns this attribute in its own __init__.
-        state: EnvState | None = self.__dict__.get("_trx")
+        state: EnvState | None = self.__dict__.get("_managed_state")
         if state is not None:
             state.options = dataclasses.replace(state.options, shutdown_timeout=float(value))
             # Read at the next start, as upstream's (its _start_workers copies it to _timeout).
@@ -251,34 +246,13 @@ class ManagedParallelEnv(ParallelEnv):
         deprecated (``DeprecationWarning``): ``True`` is ``"both"``, ``False`` is
         ``"aggregate"``. Any other value raises ``ValueError``.
 
-        The env's keys: ``steps``, the batched ``step`` and
-        ``step_and_maybe_reset`` calls, and ``boundary_steps``, those of the latter in which at
-        least one worker reset; ``resets``, the worker resets, each worker counted once per
-        reset wherever it happened (each worker a ``reset`` call asked to reset, partial resets
-        of some workers included, and each worker whose episode ended inside
-        ``step_and_maybe_reset``, read from the done entries of its transition; not the reset
-        a restart gives a new worker); ``reset_calls``, the batched ``reset`` calls, full or
-        partial (a reset inside ``step_and_maybe_reset`` is part of that step);
-        ``step_ms_p50``/``_p95``/``_max`` over the last 1,024 step calls, ``boundary_ms_...``
-        over the last 1,024 boundary steps (an episode boundary inside ``step_and_maybe_reset``:
-        step and reset together) and ``reset_ms_...`` over the last 1,024 reset calls, each the
-        whole call as the main process waits for it (NaN before the first); ``wait_s``, the main
-        process's time waiting for its workers; ``restarts`` and ``restarts_died``,
-        ``restarts_hung``, ``restarts_error`` by cause (lost workers); ``recycles``,
-        ``recycles_memory``, ``recycles_episodes`` (``recycle_memory``, ``recycle_every``);
-        ``deaths``, ``hangs`` and ``env_errors`` (every loss, restarted or not);
-        ``seconds_since_restart`` (NaN before the first);
-        ``descendants``, ``fds`` and the memory of the live workers' trees (each worker and all
-        its descendants, DataLoader workers included): ``tree_rss_bytes`` (resident, each
-        process in full: pages they share count once per process), ``tree_pss_bytes`` (each
-        page divided by the processes that map it) and ``tree_uss_bytes`` (per process, the
-        pages no other process maps: what ``recycle_memory`` counts); sampled by the
-        supervisor's thread at most once a second, USS and PSS every 10 s while stats are read
-        (and with ``recycle_memory``, USS of a tree whose RSS is over it at each sample), NaN
-        before the first sample or where ``/proc/PID/smaps_rollup`` cannot be read.
-        Each slot's keys: ``worker_<i>/alive``, ``/resets``, ``/restarts``, ``/recycles``, and
-        once its tree was sampled ``/pid``, ``/rss_bytes``, ``/pss_bytes``, ``/uss_bytes``,
-        ``/descendants`` and ``/fds``.
+        The env's keys count calls and resets (``steps``, ``boundary_steps``, ``resets``,
+        ``reset_calls``), time them (``step_ms_p50``/``_p95``/``_max``, ``boundary_ms_*``,
+        ``reset_ms_*``, ``wait_s``), count losses, restarts and recycles by cause, and measure
+        the live workers' trees (``tree_rss_bytes``, ``tree_pss_bytes``, ``tree_uss_bytes``,
+        ``descendants``, ``fds``); each slot's are ``worker_<i>/alive``, ``/resets``,
+        ``/restarts``, ``/recycles`` and, once sampled, its tree's. docs/watching.md defines
+        every key, when each is NaN, and how often the trees are sampled.
         ``reset=True`` clears the call counters, the latency windows and ``wait_s`` after the
         snapshot, whatever the view (the loss and restart counts are the env's history and
         stay). With ``collect_stats=False`` nothing is measured: the latencies and the tree are
@@ -313,7 +287,7 @@ class ManagedParallelEnv(ParallelEnv):
 
     def _set_properties(self) -> None:
         super()._set_properties()
-        state: EnvState | None = self.__dict__.get("_trx")
+        state: EnvState | None = self.__dict__.get("_managed_state")
         if state is not None and state.engine.on:
             added = add_restart_keys(self)
             if Upstream(self).owns_workers:  # a view's keys are its owner's
@@ -338,183 +312,35 @@ class ManagedParallelEnv(ParallelEnv):
         self._state.engine.remember_view(view)
         return view
 
-    # ------------------------------------------------------------------ the one failure path
-    def _check_failed(self) -> WorkerSupervisor | None:
-        """Hot path, before each call: raise the env's failure, or (restarts) clear marks and
-        replace the workers lost since the last call; no system call otherwise."""
-        state = self._state
-        supervisor = state.supervisor
-        if supervisor is not None:
-            failure = supervisor.failure()
-            if failure is not None:
-                raise_failure(failure)
-            if state.engine.pending(supervisor):
-                state.engine.between_calls(Upstream(self), supervisor)
-        return supervisor
-
-    def _translate(self, err: Exception, supervisor: WorkerSupervisor | None) -> None:
-        """``err`` escaped TorchRL: raise the worker's failure instead if a worker is gone
-        (decided by the supervisor's facts, never by the message); else return. A closed pipe
-        is seen a moment before the death itself, so it gets a short wait; with restarts on, a
-        loss counts (its slot is replaced at the next call)."""
-        supervisor = self._state.supervisor or supervisor
-        if supervisor is None:
-            return
-        found = supervisor.failure(
-            wait=LOST_PIPE_WAIT if isinstance(err, EOFError | OSError) else 0.0, losses=True
-        )
-        if found is not None:
-            raise_failure(found)
-
-    def _guarded(self, call: Callable[..., Any], *args: Any) -> Any:
-        """``call(*args)`` (TorchRL's), between the failure check and the failure translation."""
-        supervisor = self._check_failed()
-        try:
-            return call(*args)
-        except Exception as err:
-            self._translate(err, supervisor)
-            raise
-
+    # ------------------------------------------------------------------ calls (_calls)
     def _wait_for_workers(self, workers_range: Any) -> None:
-        if not self._state.options.collect_stats:
-            self._wait(workers_range)
-            return
-        calls = self._state.stats.calls
-        if calls.in_flight == RESET:  # TorchRL waits for exactly the workers it asked to reset
-            calls.asked = Upstream(self).slots(workers_range)
-        t0 = time.perf_counter()
-        try:
-            self._wait(workers_range)
-        finally:
-            calls.wait_s += time.perf_counter() - t0
-
-    def _wait(self, workers_range: Any) -> None:
-        state = self._state
-        supervisor = state.supervisor
-        upstream = Upstream(self)
-        if supervisor is not None and state.options.own_wait:
-            state.engine.wait(upstream, supervisor, workers_range, supervisor.done_signal)
-            return
-        flags = upstream.done_flags
-        if (
-            supervisor is None
-            or flags is None
-            or not upstream.use_buffers
-            or state.options.spin == float("inf")
-        ):
-            super()._wait_for_workers(workers_range)
-            return
-        supervisor.done_signal.wait_for(
-            flags, upstream.slots(workers_range), upstream.pipe_timeout, state.options.spin, supervisor.check
-        )
-
-    def _measured(self, kind: str, call: Callable[..., Any], tensordict: Any) -> Any:
-        """:meth:`_guarded`, recorded for ``stats()`` (``collect_stats``): its duration, and
-        which workers reset in it. A call TorchRL makes inside a measured one (its
-        ``step_and_maybe_reset`` without buffers steps and resets through ``_step`` and
-        ``_reset``) is part of that one."""
-        state = self._state
-        calls = state.stats.calls
-        if calls.in_flight is not None or not state.options.collect_stats:
-            return self._guarded(call, tensordict)
-        calls.begin(kind)
-        t0 = time.perf_counter()
-        try:
-            out = self._guarded(call, tensordict)
-        finally:
-            calls.in_flight = None
-        seconds = time.perf_counter() - t0
-        if kind != STEP_AND_MAYBE_RESET:
-            calls.end(kind, seconds)
-            return out
-        ends = calls.ends
-        if ends is None:
-            ends = calls.ends = EpisodeEnds(self)
-        rows = ends.rows(self, out[0], tensordict)
-        calls.end(kind, seconds, Upstream(self).slots(rows) if rows else ())
-        return out
+        _calls.wait(self, workers_range, super()._wait_for_workers)
 
     def _reset(self, tensordict: Any, **kwargs: Any) -> Any:
-        out = self._measured(RESET, functools.partial(super()._reset, **kwargs), tensordict)
+        out = _calls.measured(self, RESET, functools.partial(super()._reset, **kwargs), tensordict)
         self._state.engine.after_reset(Upstream(self), out)
         return out
 
     def _step(self, tensordict: Any) -> Any:
-        return self._measured(STEP, super()._step, tensordict)
+        return _calls.measured(self, STEP, super()._step, tensordict)
 
     def step_and_maybe_reset(self, tensordict: Any) -> Any:
-        return self._measured(STEP_AND_MAYBE_RESET, super().step_and_maybe_reset, tensordict)
+        return _calls.measured(self, STEP_AND_MAYBE_RESET, super().step_and_maybe_reset, tensordict)
 
     def set_seed(self, seed: int | None = None, static_seed: bool = False) -> int | None:
-        supervisor = self._check_failed()
-        try:
-            try:
-                return super().set_seed(seed, static_seed)
-            except Exception as err:
-                if supervisor is not None and self._state.engine.replaced_after(
-                    Upstream(self), supervisor, err
-                ):
-                    return super().set_seed(seed, static_seed)
-                self._translate(err, supervisor)
-                raise
-        finally:
-            self._state.engine.remember_seeds(Upstream(self))
+        return _calls.seeded(self, functools.partial(super().set_seed, seed, static_seed))
 
     def state_dict(self) -> Any:
-        return self._guarded(super().state_dict)
+        return _calls.guarded(self, super().state_dict)
 
     def load_state_dict(self, state_dict: Any, **kwargs: Any) -> None:
-        self._guarded(self._load_state_dict, state_dict, kwargs)
-
-    def _load_state_dict(self, state_dict: Any, kwargs: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict, **kwargs)
-        supervisor = self._state.supervisor
-        if supervisor is not None and supervisor.restartable:
-            # TorchRL waits out a lost worker's event and returns: its state never arrived.
-            lost = supervisor.failure(wait=0.0, losses=True)
-            if lost is not None:
-                raise_failure(lost)
+        _calls.guarded(
+            self, _calls.loaded, self, functools.partial(super().load_state_dict, state_dict, **kwargs)
+        )
 
     # ------------------------------------------------------------------ close
     def _shutdown_workers(self) -> None:
-        state = self._state
-        supervisor = state.supervisor
-        if supervisor is None:
-            return
-        if not state.closing and supervisor.failure(wait=1.0) is not None:
-            # TorchRL's wait loop calls this right after it sees a dead worker. The supervisor
-            # has killed the dead worker's tree; the survivors are closed by the user's close().
-            return
-        state.supervisor = None
-        state.worker_pids = supervisor.pids()  # no lock taken: this may be a forked copy
-        if supervisor.owner_pid != os.getpid():
-            # A forked copy of this env (fork-context DataLoader worker, fork of the user's own):
-            # the workers belong to the parent process, which closes them.
-            return
-        upstream = Upstream(self)
-        try:
-            try:
-                state.report = supervisor.shutdown(state.close_reason)
-            except BaseException:
-                # Interrupted (KeyboardInterrupt from a second Ctrl-C): kill fast, then re-raise.
-                state.report = supervisor.shutdown("interrupted close", timeout=0.5)
-                raise
-        finally:
-            for channel in upstream.channels or []:
-                with contextlib.suppress(Exception):
-                    channel.close()
-            if upstream.use_buffers:
-                upstream.drop_buffers()
-            state.stats.calls.ends = None  # it may hold views of the buffers
-            # Empty lists, not deleted attributes: ParallelEnv.__getattr__ restarts workers.
-            upstream.workers = SupervisedWorkers([], no_faults)
-            upstream.channels = []
-            upstream.events = None
-            upstream.step_event = None
-            state.engine.forget()
-            _lifecycle.unregister(self)
-            _reaper_client.release()
-        log.debug("%s", state.report)
+        stop_workers(self, self._state)
 
     def close(self, *, raise_if_closed: bool = True) -> None:
         """Close the workers within ``shutdown_timeout``; never fails because a worker died.
@@ -558,7 +384,7 @@ class ManagedParallelEnv(ParallelEnv):
             with contextlib.suppress(Exception):
                 self.close(raise_if_closed=False)
             return
-        state: EnvState | None = self.__dict__.get("_trx")
+        state: EnvState | None = self.__dict__.get("_managed_state")
         if state is not None and state.supervisor is not None and Upstream(self).closed is False:
             with contextlib.suppress(Exception):
                 self._close_for("garbage collection")

@@ -189,6 +189,15 @@ class SupervisedWorkers(list[Any]):
         super().__init__(processes)
         self.check_faults = check_faults
 
+    @classmethod
+    def none(cls) -> SupervisedWorkers:
+        """The list of a closed env: no workers, nothing to report."""
+        return cls([], _no_faults)
+
+
+def _no_faults() -> None:
+    """Fault check of a closed env."""
+
 
 class _FaultCheck:
     """Replaces ``batched_envs._check_for_faulty_process``: ours for our lists, theirs otherwise."""

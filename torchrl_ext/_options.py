@@ -53,7 +53,7 @@ class Options:
     """What the user asked of one env, resolved and checked (see ``ManagedParallelEnv``).
 
     Example:
-        >>> Options.validated(max_restarts=2).own_wait
+        >>> Options.validated(max_restarts=2).supervised_wait
         True
         >>> Options.validated(step_timeout="5")
         Traceback (most recent call last):
@@ -148,19 +148,19 @@ class Options:
         return DEFAULT_SPIN if self.spin_wait is None else self.spin_wait
 
     @property
-    def recycles(self) -> bool:
+    def recycling(self) -> bool:
         """Whether workers are recycled at episode boundaries (``recycle_memory``/``_every``)."""
         return self.recycle_memory is not None or self.recycle_every is not None
 
     @property
-    def replaces(self) -> bool:
+    def replaceable_workers(self) -> bool:
         """Whether workers may be replaced (restarts or recycling): the start records them."""
-        return self.max_restarts > 0 or self.recycles
+        return self.max_restarts > 0 or self.recycling
 
     @property
-    def own_wait(self) -> bool:
+    def supervised_wait(self) -> bool:
         """Our own wait loop (restarts, hang detection, recycling) instead of TorchRL's."""
-        return self.replaces or self.step_timeout is not None
+        return self.replaceable_workers or self.step_timeout is not None
 
     @property
     def raises_env_errors(self) -> bool:
@@ -168,7 +168,7 @@ class Options:
         with restarts on errors (a restarted one is not raised), nor with recycling (a standby
         that fails only makes a warning)."""
         restarted = self.max_restarts > 0 and self.restart_on_error is not False
-        return not restarted and not self.recycles
+        return not restarted and not self.recycling
 
     @property
     def extra_preload(self) -> tuple[str, ...]:

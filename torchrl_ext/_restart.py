@@ -96,7 +96,7 @@ class RestartEngine:
     def recording(self) -> contextlib.AbstractContextManager[list[Any]]:
         """Around TorchRL's start: the processes it starts, recorded unstarted (restarts or
         recycling on)."""
-        return recording_starts() if self.options.replaces else contextlib.nullcontext([])
+        return recording_starts() if self.options.replaceable_workers else contextlib.nullcontext([])
 
     def adopt(self, started: list[Any], workers: int, plan: StartPlan, fifo: str) -> None:
         """Keep the worker processes TorchRL built (``started``, in slot order) as templates."""
@@ -107,7 +107,7 @@ class RestartEngine:
         launcher = self.launcher
         launcher.templates, launcher.plan, launcher.fifo = templates, plan, fifo
         self.marked = set()
-        if self.options.replaces and len(templates) != workers:
+        if self.options.replaceable_workers and len(templates) != workers:
             raise RuntimeError(
                 f"torchrl_ext could not record the {workers} worker processes TorchRL started "
                 f"(found {len(templates)}); restarts cannot work with this TorchRL release. "

@@ -41,7 +41,7 @@ from ._supervisor import WorkerSupervisor
 from ._tag import new_env_tag, tagged_spawns
 from ._worker import WorkerConfig
 
-__all__ = ["EnvState", "abort_start", "no_faults", "start_workers"]
+__all__ = ["EnvState", "abort_start", "release_workers", "start_workers", "stop_workers"]
 
 log = logging.getLogger("torchrl_ext")
 
@@ -154,8 +154,10 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
         raise DaemonicParentError(current.name)
     upstream = Upstream(env)
     # TorchRL >= 0.15 resolves an unset use_buffers once the workers sent their specs.
-    check_after = options.own_wait and upstream.use_buffers is None and bool(upstream.metadata_from_workers)
-    if options.own_wait and not check_after:
+    check_after = (
+        options.supervised_wait and upstream.use_buffers is None and bool(upstream.metadata_from_workers)
+    )
+    if options.supervised_wait and not check_after:
         _check_restartable(upstream)
     plan = StartPlan.make(options, state.preload_modules, upstream.mp_start_method)
     tag = new_env_tag()
@@ -224,7 +226,7 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
         abort_start(env, supervisor, err, options.shutdown_timeout)
         raise
     # Losses (not failures) from here on: the start succeeded (a failed one reports deaths).
-    supervisor.enable_restarts(engine.on, replaceable=options.replaces)
+    supervisor.enable_restarts(engine.on, replaceable=options.replaceable_workers)
     upstream.channels = supervisor.attach(processes, upstream.channels)
     engine.attached(env, supervisor)
     upstream.workers = SupervisedWorkers(processes, supervisor.check)
@@ -293,16 +295,53 @@ def abort_start(
         supervisor.shutdown("start-up failure", timeout=min(timeout, 3.0))
     finally:
         supervisor.stop()
-        for channel in channels:
-            with contextlib.suppress(Exception):
-                channel.close()
-        upstream.workers = SupervisedWorkers([], no_faults)
-        upstream.channels = []
+        release_workers(env)
         upstream.closed = True
-        _lifecycle.unregister(env)
-        _reaper_client.release()
     return failure
 
 
-def no_faults() -> None:
-    """Fault check of a closed env: nothing to report."""
+def stop_workers(env: Any, state: EnvState) -> None:
+    """``_shutdown_workers``: the bounded close of ``env``'s workers (NOTE [shutdown order]),
+    once; not from a forked copy of this process, whose workers are its parent's."""
+    supervisor = state.supervisor
+    if supervisor is None:
+        return
+    if not state.closing and supervisor.failure(wait=1.0) is not None:
+        # TorchRL's wait loop calls this right after it sees a dead worker. The supervisor
+        # has killed the dead worker's tree; the survivors are closed by the user's close().
+        return
+    state.supervisor = None
+    state.worker_pids = supervisor.pids()  # no lock taken: this may be a forked copy
+    if supervisor.owner_pid != os.getpid():
+        return  # a forked copy (fork-context DataLoader worker, the user's own fork)
+    upstream = Upstream(env)
+    try:
+        try:
+            state.report = supervisor.shutdown(state.close_reason)
+        except BaseException:
+            # Interrupted (KeyboardInterrupt from a second Ctrl-C): kill fast, then re-raise.
+            state.report = supervisor.shutdown("interrupted close", timeout=0.5)
+            raise
+    finally:
+        if upstream.use_buffers:
+            upstream.drop_buffers()
+        state.stats.calls.ends = None  # it may hold views of the buffers
+        state.engine.forget()
+        release_workers(env)
+    log.debug("%s", state.report)
+
+
+def release_workers(env: Any) -> None:
+    """Forget ``env``'s workers after a close or a failed start: close the pipes and empty
+    TorchRL's by-position lists (empty, not deleted: ``ParallelEnv.__getattr__`` would start
+    workers), then stop the exit hooks and the reaper's watch of this env."""
+    upstream = Upstream(env)
+    for channel in upstream.channels or []:
+        with contextlib.suppress(Exception):
+            channel.close()
+    upstream.workers = SupervisedWorkers.none()
+    upstream.channels = []
+    upstream.events = None
+    upstream.step_event = None
+    _lifecycle.unregister(env)
+    _reaper_client.release()
