@@ -150,7 +150,9 @@ def test_transforms_and_seeding_still_work() -> None:
     # The releases with the bug: shared done flags from 0.11 on; torchrl-nightly 2026.10.27 (after
     # 0.14, with upstream's rewrite #4341) no longer has it, and this test passes there.
     (0, 11) <= torchrl_release() <= (0, 14),
-    strict=True,
+    # Not strict: whether a wait that returns early reads stale results depends on the machine's
+    # load (it passed once under two busy suites); on the releases without the bug it must pass.
+    strict=False,
     reason=(
         "TorchRL 0.11 to 0.14 (upstream ParallelEnv too): a worker answers load_state_dict by setting "
         "its shared done flag *and* its event; the main process waits on the event only, so the "
