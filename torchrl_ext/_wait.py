@@ -25,7 +25,7 @@ import multiprocessing.connection
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 __all__ = ["FIRST", "SLICE", "Late", "on", "wait_for"]
 
@@ -46,7 +46,7 @@ class Late:
     #: Seconds the wait lasted.
     waited: float
 
-    def __bool__(self) -> bool:
+    def __bool__(self) -> Literal[False]:
         return False
 
 
