@@ -138,25 +138,32 @@ def test_an_exception_of_the_check_propagates() -> None:
 
 @pytest.mark.compat
 def test_a_waitable_ends_the_pause_early() -> None:
-    """Pauses of a minute, a deadline of ten: a pipe written from a thread after the first look
-    wakes the wait, which then returns at its next look."""
+    """Pauses of a minute: a pipe written from a thread once the first pause has begun ends
+    that pause (the wait reports the pipe ready, not a timeout), and the next look succeeds."""
     read_end, write_end = os.pipe()
-    first_look = threading.Event()
-    writer = threading.Thread(target=lambda: (first_look.wait(), os.write(write_end, b"x")))
+    pausing = threading.Event()
+    writer = threading.Thread(target=lambda: (pausing.wait(), os.write(write_end, b"x")))
     writer.start()
     looks = 0
+    woken_by: list[object] = []
+    pause_on_pipe = on([read_end])
+
+    def sleep(seconds: float) -> None:
+        pausing.set()
+        woken_by.append(pause_on_pipe(seconds))
 
     def ready() -> bool:
         nonlocal looks
         looks += 1
-        first_look.set()
         return bool(select.select([read_end], [], [], 0)[0])
 
     try:
-        got = wait_for(ready, time.monotonic() + 600, "no byte", sleep=on([read_end]), first=60, slice=60)
+        got = wait_for(ready, time.monotonic() + 600, "no byte", sleep=sleep, first=60, slice=60)
         assert got is True
-        assert looks <= 2
+        assert looks == 2
+        assert woken_by == [[read_end]]
     finally:
+        pausing.set()
         writer.join()
         os.close(read_end)
         os.close(write_end)
