@@ -195,7 +195,7 @@ def _watch_parent(parent: int) -> None:
             os.close(pidfd)
     else:  # no pidfds: the parent is gone once we have been re-parented
         # A watch for the whole life of the process: a look every 0.2 s costs nothing.
-        wait_for(lambda: os.getppid() != parent, math.inf, "never", slice=0.2)
+        wait_for(lambda: os.getppid() != parent, math.inf, "no deadline", slice=0.2)
     with _lock:
         if not any(ref() is not None for key, (ref, _h, _r) in _live.items() if key in _exit_with_parent):
             return
