@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     (
         "primitives: the standard library and psutil only",
         [
+            "_wait",
             "_patch",
             "_platform",
             "_cpython",

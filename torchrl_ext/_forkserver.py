@@ -78,6 +78,7 @@ import psutil
 from . import _cpython, _identity, _platform, _reaper_client
 from ._errors import PreloadError, format_exitcode
 from ._tag import Tag
+from ._wait import on, wait_for
 
 __all__ = [
     "BASE_PRELOAD",
@@ -579,25 +580,24 @@ class _Server:
 
     @staticmethod
     def _await_preload(proc: subprocess.Popen[bytes], status_r: int, modules: list[str]) -> None:
-        deadline = time.monotonic() + PRELOAD_TIMEOUT
-        data = b""
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise PreloadError(
-                    f"the preloaded fork server (pid {proc.pid}) did not finish importing "
-                    f"{modules} within {PRELOAD_TIMEOUT:.0f} s; one of them hangs at import. Pass "
-                    "mp_start_method='spawn' to start workers without it."
-                )
-            ready, _, _ = select.select([status_r], [], [], min(left, 1.0))
-            if not ready:
-                continue
-            chunk = os.read(status_r, 65536)
-            if not chunk:
-                break
-            data += chunk
-            if _complete(data):  # a process the preload started may hold the pipe open
-                break
+        chunks: list[bytes] = []
+
+        def reported() -> bool:
+            if not select.select([status_r], [], [], 0)[0]:
+                return False
+            chunks.append(os.read(status_r, 65536))
+            # A whole report ends it too: a process the preload started may hold the pipe open.
+            return not chunks[-1] or _complete(b"".join(chunks))
+
+        deadline, reason = time.monotonic() + PRELOAD_TIMEOUT, "no preload report in time"
+        # The status pipe wakes it: the slice only bounds a look.
+        if not wait_for(reported, deadline, reason, sleep=on([status_r]), slice=1.0):
+            raise PreloadError(
+                f"the preloaded fork server (pid {proc.pid}) did not finish importing "
+                f"{modules} within {PRELOAD_TIMEOUT:.0f} s; one of them hangs at import. Pass "
+                "mp_start_method='spawn' to start workers without it."
+            )
+        data = b"".join(chunks)
         report = json.loads(data) if data else None
         if isinstance(report, dict) and report.get("ok"):
             return

@@ -1,7 +1,8 @@
 """Process identity, liveness, the tree walk and kill-and-reap: the one copy everything calls.
 
-Standard library and psutil only, and no imports from the package: the standalone reaper script
-loads this file by path (see ``_reaper.py``); the package imports it as ``torchrl_ext._identity``.
+Standard library and psutil only, and nothing of the package but ``_wait`` (standard library
+only): the standalone reaper script loads this file by path (see ``_reaper.py``), and this file
+then loads ``_wait.py`` by path too; the package imports it as ``torchrl_ext._identity``.
 
 * **Identity** is ``(pid, create time)``: a pid can be reused, the pair cannot. The create
   time is :func:`start_time`'s: on Linux the kernel's start time in seconds since boot, which
@@ -28,6 +29,7 @@ loads this file by path (see ``_reaper.py``); the package imports it as ``torchr
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import signal
@@ -35,8 +37,30 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from types import ModuleType
 
 import psutil
+
+
+def load_sibling(name: str) -> ModuleType:
+    """``<name>.py`` from beside this file, by path, without importing the package (or torch);
+    loaded once, as ``torchrl_ext_standalone<name>``: the reaper script's way to its modules."""
+    key = f"torchrl_ext_standalone{name}"
+    if key in sys.modules:
+        return sys.modules[key]
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(key, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+if __package__:
+    from . import _wait
+else:  # loaded by path (the reaper script)
+    _wait = load_sibling("_wait")
 
 __all__ = [
     "BIRTH_SLACK",
@@ -74,12 +98,12 @@ CTIME_TOLERANCE = 1e-3
 BIRTH_SLACK = 0.01
 #: How long kill-and-reap waits for a zombie child whose other threads are still exiting.
 ZOMBIE_WAIT = 1.0
-#: Poll interval of that wait (seconds).
+#: The longest pause of that wait (seconds): the threads of a zombie end within milliseconds.
 REAP_POLL = 0.005
 #: How long :func:`reap_later` keeps collecting, in the background, processes that a bounded
 #: wait left behind (they die, and become our zombie children, after the deadline).
 LATE_REAP_WINDOW = 30.0
-#: Poll interval of :func:`reap_later` (seconds).
+#: The pause of :func:`reap_later` between two looks (seconds).
 LATE_REAP_POLL = 0.1
 
 ProcessKey = tuple[int, float]
@@ -358,8 +382,8 @@ def reap_if_child(procs: Iterable[psutil.Process], wait: float = 0.0) -> None:
                 pending.append(proc.pid)
         except psutil.Error:
             continue
-    deadline = time.monotonic() + wait
-    while pending:
+
+    def collected() -> bool:
         left = []
         for pid in pending:
             try:
@@ -367,10 +391,10 @@ def reap_if_child(procs: Iterable[psutil.Process], wait: float = 0.0) -> None:
                     left.append(pid)
             except (ChildProcessError, OSError):
                 continue
-        if not left or time.monotonic() >= deadline:
-            return
-        pending = left
-        time.sleep(REAP_POLL)
+        pending[:] = left
+        return not pending
+
+    _wait.wait_for(collected, time.monotonic() + wait, "zombies not collected", slice=REAP_POLL)
 
 
 def reap_later(procs: Iterable[psutil.Process], window: float = LATE_REAP_WINDOW) -> None:
@@ -382,14 +406,16 @@ def reap_later(procs: Iterable[psutil.Process], window: float = LATE_REAP_WINDOW
     if not pending:
         return
 
+    def collected() -> bool:
+        same = [proc for proc in pending if proc.is_running()]  # is_running checks the create time
+        reap_if_child(same)  # collects only those that have exited
+        pending[:] = [proc for proc in same if proc.is_running()]
+        return not pending
+
     def collect() -> None:
-        left = pending
-        deadline = time.monotonic() + window
-        while left and time.monotonic() < deadline:
-            same = [proc for proc in left if proc.is_running()]  # is_running checks the create time
-            reap_if_child(same)  # collects only those that have exited
-            left = [proc for proc in same if proc.is_running()]
-            time.sleep(LATE_REAP_POLL)
+        # A sweep over seconds, in the background: a look every 0.1 s from the first keeps it cheap.
+        deadline, pause = time.monotonic() + window, LATE_REAP_POLL
+        _wait.wait_for(collected, deadline, "not collected in time", first=pause, slice=pause)
 
     threading.Thread(target=collect, name="torchrl_ext-late-reaper", daemon=True).start()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import multiprocessing
 import multiprocessing.util  # its atexit hook must be registered before ours
 import os
@@ -21,6 +22,7 @@ from types import FrameType
 from typing import Any, Protocol
 
 from . import _forkserver, _platform, _reaper_client
+from ._wait import wait_for
 
 __all__ = ["close_all", "live_envs", "multiprocessing_parent", "register", "unregister"]
 
@@ -192,8 +194,8 @@ def _watch_parent(parent: int) -> None:
         finally:
             os.close(pidfd)
     else:  # no pidfds: the parent is gone once we have been re-parented
-        while os.getppid() == parent:
-            time.sleep(0.2)
+        # A watch for the whole life of the process: a look every 0.2 s costs nothing.
+        wait_for(lambda: os.getppid() != parent, math.inf, "no deadline", slice=0.2)
     with _lock:
         if not any(ref() is not None for key, (ref, _h, _r) in _live.items() if key in _exit_with_parent):
             return

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import psutil
 
 from . import _platform
+from ._wait import wait_for
 
 __all__ = [
     "OrphanProbe",
@@ -126,13 +127,13 @@ def probe_orphan_reaping(timeout: float = 5.0) -> OrphanProbe:
         except ChildProcessError:
             pass
         return OrphanProbe(pid, adopter, name, None, time.monotonic() - start)
-    deadline = start + timeout
-    while orphan.is_running():  # pid and create time: a reused pid does not count
-        if time.monotonic() >= deadline:
-            try:
-                zombie = orphan.status() == psutil.STATUS_ZOMBIE
-            except psutil.Error:
-                break
+    # is_running checks the pid and the create time: a reused pid does not count.
+    reaped = wait_for(lambda: not orphan.is_running(), start + timeout, "the orphan was not reaped")
+    if not reaped:
+        try:
+            zombie = orphan.status() == psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            pass  # gone since: reaped after all
+        else:
             return OrphanProbe(pid, adopter, name, False if zombie else None, timeout)
-        time.sleep(0.02)
     return OrphanProbe(pid, adopter, name, True, time.monotonic() - start)

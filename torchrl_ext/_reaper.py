@@ -57,9 +57,10 @@ def _load_identity() -> ModuleType:
 
 
 if __package__:
-    from . import _identity
+    from . import _identity, _wait
 else:  # run as a script: python -I _reaper.py ...
     _identity = _load_identity()
+    _wait = _identity.load_sibling("_wait")  # the copy _identity loaded
 
 SNAPSHOT_INTERVAL = 0.5
 REGISTRY_NAME = "registry.json"
@@ -183,9 +184,13 @@ class Reaper:
         killed = self._kill_targets()
         helpers = [proc for proc in self.targets() if self.is_helper(proc)]
         if helpers:
-            deadline = time.monotonic() + HELPER_GRACE
-            while any(_identity.alive(proc) for proc in helpers) and time.monotonic() < deadline:
-                time.sleep(0.01)
+
+            def ended() -> bool:
+                return not any(_identity.alive(proc) for proc in helpers)
+
+            # Milliseconds count here (the owner is dead): look every 10 ms at most.
+            reason = f"the helpers did not end within {HELPER_GRACE:g} s"
+            _wait.wait_for(ended, time.monotonic() + HELPER_GRACE, reason, slice=0.01)
             _identity.kill_and_reap(helpers, grace=0.0, kill_wait=0.2)
             killed.update(self._kill_targets())  # what a helper started meanwhile
         return killed

@@ -26,6 +26,7 @@ import psutil
 from . import _cpython, _identity, _platform
 from ._channel import ParentChannel
 from ._errors import OomKill, WorkerDiedError
+from ._wait import wait_for
 from ._wire import read_report, rebuild_exception
 
 __all__ = ["Loss", "TreeSample", "WorkerRecord", "sample_tree", "startup_failure"]
@@ -225,25 +226,28 @@ class WorkerRecord:
         The pidfd and the multiprocessing sentinel turn readable while the kernel is still
         tearing the process down, a moment before its status can be collected.
         """
-        deadline = time.monotonic() + wait
         orphan_prone = _cpython.is_forkserver_child(self.process)
-        while True:
+
+        def collected() -> tuple[int | None] | None:  # a tuple: exit code 0 is false
             try:
                 code = self.process.exitcode  # collects a child we started ourselves
             except (ValueError, AssertionError):  # Process.close() was called
-                return self.exitcode
+                return (self.exitcode,)
             if self.pidfd is not None and (code is None or (code == 255 and orphan_prone)):
                 # The kernel's status, read without collecting it: a fork-server child
                 # re-parented to us after its server died reports 255 through multiprocessing.
                 peeked = _platform.peek_exit_status(self.pidfd)
                 code = code if peeked is None else peeked
-            if code is not None:
-                if orphan_prone:
-                    self._reap_if_orphaned()
-                return int(code)
-            if time.monotonic() >= deadline:
-                return self.exitcode
-            time.sleep(0.002)
+            if code is None:
+                return None
+            if orphan_prone:
+                self._reap_if_orphaned()
+            return (int(code),)
+
+        reason = f"the exit status of pid {self.pid} was not collected within {wait:g} s"
+        # The status follows the sentinel by a moment: a short slice keeps that latency small.
+        found = wait_for(collected, time.monotonic() + wait, reason, slice=0.002)
+        return found[0] if found else self.exitcode
 
     def _reap_if_orphaned(self) -> None:
         """A fork-server child whose server died is re-parented to us (the subreaper) and

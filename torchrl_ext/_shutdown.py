@@ -40,7 +40,6 @@ cite this note by its name.
 from __future__ import annotations
 
 import logging
-import multiprocessing.connection
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -50,6 +49,7 @@ import psutil
 from . import _identity, _platform, _reaper_client
 from ._record import WorkerRecord
 from ._report import Outcome
+from ._wait import on, wait_for
 
 __all__ = ["CLOSE_MESSAGE_SHARE", "SIGKILL_SHARE", "SIGTERM_SHARE", "close_workers"]
 
@@ -154,9 +154,13 @@ def _settle(outcome: dict[int, Outcome], workers: Sequence[WorkerRecord], name: 
 
 
 def _wait_exit(workers: list[WorkerRecord], until: float) -> None:
-    while True:
-        pending = [w for w in workers if not w.gone()]
-        remaining = until - time.monotonic()
-        if not pending or remaining <= 0:
-            return
-        multiprocessing.connection.wait([w.sentinel for w in pending], timeout=min(remaining, 0.1))
+    pending = list(workers)
+    sentinels: list[object] = []
+
+    def all_gone() -> bool:
+        pending[:] = [w for w in pending if not w.gone()]
+        sentinels[:] = [w.sentinel for w in pending]
+        return not pending
+
+    # A sentinel wakes it: the slice only bounds the look for an exit no sentinel shows.
+    wait_for(all_gone, until, "the workers did not exit", sleep=on(sentinels), first=0.1, slice=0.1)

@@ -22,6 +22,7 @@ from typing import IO
 import psutil
 
 from . import _identity
+from ._wait import wait_for
 
 __all__ = ["CAPTURE_TIMEOUT", "STACKS_SIGNAL", "arm", "capture", "stacks_path"]
 
@@ -70,18 +71,21 @@ def capture(pid: int, create_time: float, report_path: str, timeout: float = CAP
         return None
     with contextlib.suppress(OSError, ValueError, psutil.Error):
         proc.send_signal(STACKS_SIGNAL)
-    deadline = time.monotonic() + timeout
     size, stable_since = start, time.monotonic()
-    while time.monotonic() < deadline:
-        time.sleep(0.01)
-        try:
-            now_size = os.path.getsize(path)
-        except OSError:
-            return None
+
+    def settled() -> bool:
+        nonlocal size, stable_since
+        now_size = os.path.getsize(path)
         if now_size != size:
             size, stable_since = now_size, time.monotonic()
-        elif size > start and time.monotonic() - stable_since >= _SETTLED:
-            break
+            return False
+        return size > start and time.monotonic() - stable_since >= _SETTLED
+
+    try:
+        # Looks 10 ms apart at most: settling (50 ms unchanged) is judged to within one look.
+        wait_for(settled, time.monotonic() + timeout, "the stacks did not settle", slice=0.01)
+    except OSError:
+        return None
     if size <= start:
         return None
     with open(path, encoding="utf-8", errors="replace") as fh:

@@ -42,6 +42,7 @@ from ._shutdown import close_workers
 from ._stats import EnvStats
 from ._succession import Succession
 from ._tag import Tag
+from ._wait import Late, wait_for
 from ._watcher import Round, Watcher
 from ._wire import read_report, rebuild_exception
 
@@ -137,10 +138,18 @@ class WorkerSupervisor:
 
     def _loss_of(self, worker: WorkerRecord) -> BaseException | None:
         """``worker``'s failure once its exit is handled (a closed pipe precedes the exit)."""
-        deadline = time.monotonic() + LOST_PIPE_WAIT
-        while not worker.handled.is_set() and time.monotonic() < deadline:
-            self.poll()
-            worker.handled.wait(0.02)
+
+        def handled() -> bool:
+            if not worker.handled.is_set():
+                self.poll()
+            return worker.handled.is_set()
+
+        wait_for(
+            handled,
+            time.monotonic() + LOST_PIPE_WAIT,
+            f"the exit of worker {worker.index} was not handled within {LOST_PIPE_WAIT:g} s",
+            sleep=worker.handled.wait,
+        )
         return worker.failure
 
     def drain_owed(self, timeout: float) -> None:
@@ -380,16 +389,22 @@ class WorkerSupervisor:
         handled, no system call. ``wait >= 0``: notice exits synchronously, waiting up to
         ``wait`` seconds for one (a closed pipe is seen a moment before its worker's death).
         """
-        deadline = None if wait is None else time.monotonic() + wait
-        while True:
-            if deadline is not None:
+
+        def found() -> tuple[BaseException] | None:  # a tuple: an exception may be false
+            if wait is not None:
                 self.poll()
-            found = self.first_failure
-            if found is None and losses and self.lost:
-                found = self.lost[0].failure
-            if found is not None or deadline is None or time.monotonic() >= deadline:
-                return found
-            self._failure_seen.wait(min(0.02, max(0.0, deadline - time.monotonic())))
+            failure = self.first_failure
+            if failure is None and losses and self.lost:
+                failure = self.lost[0].failure
+            return None if failure is None else (failure,)
+
+        seen: tuple[BaseException] | Late | None
+        if wait is None:
+            seen = found()
+        else:
+            reason = f"no failure within {wait:g} s"
+            seen = wait_for(found, time.monotonic() + wait, reason, sleep=self._failure_seen.wait)
+        return seen[0] if seen else None
 
     def check(self) -> None:
         """Raise :meth:`failure` (no system call): the hot path, and TorchRL's fault check."""
