@@ -392,10 +392,17 @@ def test_sigkill_of_main_while_workers_bootstrap(scenario: Scenario, tmp_path: P
     result = scenario.finish(timeout=120)
     assert result.returncode == -signal.SIGKILL, result.stderr
     _assert_nothing_leaked(result)
+    killed = _reaper_killed(result.stderr) or set()
     for pid in targets:
         # Killed by the reaper (SIGKILL); one that finished its start-up would have seen its
-        # owner gone and exited with 1, seconds later.
-        assert result.exit_codes.get(pid) == -signal.SIGKILL, (pid, result.exit_codes, result.survivors)
+        # owner gone and exited with 1, seconds later. Under forkserver, a worker the reaper
+        # killed while CPython's fork server still ran is reaped by that server, so this harness
+        # never sees its status: then the reaper's warning must name it.
+        code = result.exit_codes.get(pid)
+        if code is None:
+            assert pid in killed, (pid, killed, result.exit_codes, result.stderr)
+        else:
+            assert code == -signal.SIGKILL, (pid, result.exit_codes, result.survivors)
 
 
 def _write_messages(fifo: Path, *messages: dict[str, Any]) -> None:
