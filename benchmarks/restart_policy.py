@@ -290,7 +290,7 @@ def trial_reset_cost(spec: dict[str, Any]) -> dict[str, Any]:
     pids: set[int] = set()
     # Diagnostics only (private): whether a due slot's standby had built its env, and reset it
     # ahead (NOTE [prepared reset]: its answer read, or waiting in its pipe), before the call.
-    recycler = env._state.engine.recycler
+    slots = env._state.engine.slots
     try:
         td = env.reset()
         out["start_method"] = env.start_method
@@ -304,11 +304,12 @@ def trial_reset_cost(spec: dict[str, Any]) -> dict[str, Any]:
         while min(len(out["recycled_s"]), len(out["normal_s"])) < target and calls < 100 * target:
             td.set("action", env.action_spec.rand())
             before = len(env.restarts)
-            built = {s for s, launch in recycler.standby.items() if launch.ready or launch.channel.poll(0)}
+            standbys = {slot.index: (slot, slot.standby) for slot in slots if slot.standby is not None}
+            built = {s for s, (_slot, launch) in standbys.items() if launch.ready or launch.channel.poll(0)}
             prepared = {
                 s
-                for s, state in recycler.prepared.items()
-                if state == "answered" or recycler.standby[s].channel.poll(0)
+                for s, (slot, launch) in standbys.items()
+                if slot.prepared == "answered" or (slot.prepared == "sent" and launch.channel.poll(0))
             }
             t = time.perf_counter()
             nxt, td = env.step_and_maybe_reset(td)

@@ -162,6 +162,21 @@ class Options:
         """Our own wait loop (restarts, hang detection, recycling) instead of TorchRL's."""
         return self.replaceable_workers or self.step_timeout is not None
 
+    def answer_limit(self, pipe_timeout: float) -> float:
+        """How long a worker may take to answer one command: ``step_timeout``, else TorchRL's
+        wait (``pipe_timeout``); replacements' and standbys' seeds and resets are bounded by it."""
+        return pipe_timeout if self.step_timeout is None else self.step_timeout
+
+    def answer_bound(self, pipe_timeout: float) -> str:
+        """:meth:`answer_limit` as a warning names it: the parameter that set it."""
+        if self.step_timeout is not None:
+            return f"step_timeout={self.step_timeout:g}s"
+        return f"{pipe_timeout:g}s (TorchRL's pipe_timeout)"
+
+    def start_limit(self, pipe_timeout: float) -> float:
+        """How long a worker may take to build its env: ``start_timeout``, else TorchRL's wait."""
+        return pipe_timeout if self.start_timeout is None else self.start_timeout
+
     @property
     def raises_env_errors(self) -> bool:
         """Whether every exception an env raises in a worker is raised in the main process: not

@@ -41,20 +41,20 @@ older than its DataLoader workers) count for none of them while those live. Wher
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import multiprocessing.connection
 import time
-from typing import Any, Literal
+from typing import Any
 
 from . import _platform
 from ._channel import RestartableChannel
 from ._compat import Upstream
 from ._errors import format_exitcode
 from ._options import Options
-from ._policy import RecycleCause, RestartRecord, replacement_seed
-from ._replace import Launch, Launcher, await_answers, greet, read_answer, send_seed
+from ._policy import RestartRecord
+from ._replace import Launcher, await_answers, greet, read_answer, send_seed
+from ._slots import Reading, Slot, Slots, Swap
 from ._stats import SAMPLE_INTERVAL, WATCH_SHARE
 from ._supervisor import WorkerSupervisor
 from ._worker import PREPARE_RESET
@@ -67,67 +67,41 @@ log = logging.getLogger("torchrl_ext")
 _PREPARE = "reset its env ahead"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Reading:
-    """One slot's tree at a boundary where its USS was read (NOTE [unique memory])."""
-
-    uss: int
-    #: Its RSS in the same read: what the RSS grew since is added to ``uss`` to estimate it.
-    rss: int
-    #: ``time.monotonic()`` until which an estimate from it may stand.
-    until: float
-
-
 class Recycler:
-    """What one env does to recycle its workers (see the module docstring).
+    """What one env does to recycle its workers (see the module docstring); its per-slot state
+    is the slots' (``_slots.Slot``: ``episodes``, ``due``, ``standby``, ``prepared``, ...).
 
-    Fields (the env's calling thread only): ``episodes`` counts, per slot, the resets of its
-    current worker; ``due`` holds the slots to recycle at their next boundary and why;
-    ``standby`` their next workers once started; ``translated`` the slots whose
-    ``step_and_maybe_reset`` in flight was sent as ``step``; ``held_at`` each slot's tree
-    memory (NOTE [unique memory]) at its last boundary and ``readings`` its last read
-    (``recycle_memory``); ``prepared`` the standbys sent :data:`PREPARE_RESET` (``"sent"``)
-    and those whose answer was read (``"answered"``).
+    Fields (the env's calling thread only): ``finished`` holds the records of swaps whose new
+    worker answered its first reset, until the engine takes them (:meth:`take_finished`);
+    ``_seen_samples`` the supervisor's last memory sample looked at; ``_warned_rss`` whether
+    this env warned that RSS is its measure (once).
     """
 
-    def __init__(self, options: Options, launcher: Launcher) -> None:
+    def __init__(self, options: Options, launcher: Launcher, slots: Slots) -> None:
         self.memory = options.recycle_memory
         self.every = options.recycle_every
         self.options = options
         self.launcher = launcher
-        self.episodes: collections.Counter[int] = collections.Counter()
-        self.due: dict[int, RecycleCause] = {}
-        self.standby: dict[int, Launch] = {}
-        self.translated: set[int] = set()
-        self.held_at: dict[int, int] = {}
-        self.readings: dict[int, _Reading] = {}
-        self.prepared: dict[int, Literal["sent", "answered"]] = {}
+        self.slots = slots
+        self.finished: list[RestartRecord] = []
         self._seen_samples: object = None
-        #: Whether this env warned that RSS is its measure (no ``smaps_rollup``): once.
         self._warned_rss = False
-        #: Per standby, the seed it was given (``(seed, static_seed)``; ``None``: never seeded).
-        self._standby_seed: dict[int, tuple[int, bool] | None] = {}
-        #: Per slot swapped whose first reset is still awaited: its record, the swap's time, the
-        #: label to log, and the old worker's channel (sent "close" once that reset is answered).
-        self._records: dict[int, tuple[RestartRecord, float, str, RestartableChannel]] = {}
 
     def forget(self) -> None:
-        """At close: every slot's count, due cause, standby and pending record is dropped (the
-        supervisor's shutdown ended the standbys); a reopened env starts recycling over."""
-        self.episodes.clear()
-        self.due.clear()
-        self.standby.clear()
-        self.translated.clear()
-        self.held_at.clear()
-        self.readings.clear()
-        self.prepared.clear()
+        """At close: every slot's recycling starts over (the supervisor's shutdown ended the
+        standbys and the retiring workers); a reopened env starts recycling over."""
+        for slot in self.slots:
+            slot.end_recycling()
         self._seen_samples = None
-        self._standby_seed.clear()
-        self._records.clear()
 
     @property
     def on(self) -> bool:
         return self.memory is not None or self.every is not None
+
+    def take_finished(self) -> list[RestartRecord]:
+        """The records of the swaps finished since the last call (for ``env.restarts``)."""
+        finished, self.finished = self.finished, []
+        return finished
 
     # ------------------------------------------------------------------ between calls
     def pending(self, supervisor: WorkerSupervisor) -> bool:
@@ -140,12 +114,13 @@ class Recycler:
                 self._seen_samples = samples
                 unique = self._unique(supervisor)
                 pids = supervisor.pids()
-                for slot, sample in samples.items():
+                for index, sample in samples.items():
                     held = sample.uss if unique else sample.rss
-                    current = slot < len(pids) and sample.pid == pids[slot]
-                    if current and held is not None and held > self.memory:
-                        self.due.setdefault(slot, "memory")
-        return any(self.prepared.get(slot) != "answered" for slot in self.due)
+                    current = index < len(pids) and sample.pid == pids[index]
+                    slot = self.slots[index]
+                    if current and held is not None and held > self.memory and slot.due is None:
+                        slot.due = "memory"
+        return any(slot.prepared != "answered" for slot in self.slots.due())
 
     def _unique(self, supervisor: WorkerSupervisor) -> bool:
         """Whether USS is the measure here (``smaps_rollup`` readable); else RSS, said once."""
@@ -163,52 +138,49 @@ class Recycler:
             )
         return False
 
-    def prepare(self, env: Upstream, supervisor: WorkerSupervisor, engine: Any) -> None:
+    def prepare(self, env: Upstream, supervisor: WorkerSupervisor) -> None:
         """Start the due slots' standbys; finish the handshake of those that built their env
         and have them reset it ahead (NOTE [prepared reset]); read the answers that came."""
-        for slot in self.due:
-            if slot not in self.standby:
-                self._launch(supervisor, slot, engine)
-        for launch in list(self.standby.values()):
-            if launch.ready or self._try_ready(env, supervisor, engine, launch, wait=False):
-                self._prepared_reset(supervisor, launch)
+        for slot in self.slots.due():
+            if slot.standby is None:
+                self._launch(supervisor, slot)
+        for slot in self.slots:
+            launch = slot.standby
+            if launch is not None and (launch.ready or self._try_ready(env, supervisor, slot, wait=False)):
+                self._prepared_reset(supervisor, slot)
 
-    def _launch(self, supervisor: WorkerSupervisor, slot: int, engine: Any) -> None:
-        supervisor.forget_report(slot)
-        launch = self.launcher.launch(slot, supervisor.tag)
-        launch.channel = supervisor.add_standby(slot, launch.process, launch.channel)
-        self.standby[slot] = launch
-        engine.incarnations[slot] += 1
-        seed = engine.seeds.get(slot)
-        self._standby_seed[slot] = (
-            None if seed is None else (replacement_seed(seed[0], slot, engine.incarnations[slot]), seed[1])
-        )
+    def _launch(self, supervisor: WorkerSupervisor, slot: Slot) -> None:
+        supervisor.forget_report(slot.index)
+        launch = self.launcher.launch(slot.index, supervisor.tag)
+        launch.channel = supervisor.add_standby(slot.index, launch.process, launch.channel)
+        slot.standby = launch
+        slot.standby_seed = slot.next_seed()
 
-    def _try_ready(
-        self, env: Upstream, supervisor: WorkerSupervisor, engine: Any, launch: Launch, wait: bool
-    ) -> bool:
-        """Finish ``launch``'s handshake (and seeding) as a replacement's (``_replace``); with
+    def _try_ready(self, env: Upstream, supervisor: WorkerSupervisor, slot: Slot, wait: bool) -> bool:
+        """Finish the standby's handshake (and seeding) as a replacement's (``_replace``); with
         ``wait``, up to ``start_timeout``. A standby that died or is late is discarded (started
         again at the next call)."""
-        slot = launch.slot
+        launch = slot.standby
+        assert launch is not None
         limit = self.options.start_timeout
         deadline = launch.launched_at + (limit if limit is not None else float("inf"))
+        answer_limit = self.options.answer_limit(env.pipe_timeout)
         phase, late = "build its env", None
         while True:
             if launch.channel.poll(0):
-                if not greet(launch, engine.answer_limit(env)):
+                if not greet(launch, answer_limit):
                     break
-                seed = self._standby_seed.get(slot)
+                seed = slot.standby_seed
                 if seed is not None:
                     send_seed(launch, *seed)
                     phase = "answer its seed"
-                    if not launch.channel.poll(engine.answer_limit(env)):
-                        late = engine.answer_bound(env)
+                    if not launch.channel.poll(answer_limit):
+                        late = self.options.answer_bound(env.pipe_timeout)
                     if late is not None or not read_answer(launch.channel):
                         launch.ready = False
                         break
                 return True
-            if supervisor.succession.gone(slot):
+            if supervisor.succession.gone(slot.index):
                 break
             if time.monotonic() >= deadline:
                 late = f"start_timeout={limit:g}s"
@@ -216,193 +188,191 @@ class Recycler:
             if not wait:
                 return False
             multiprocessing.connection.wait([launch.channel, launch.process.sentinel], timeout=0.02)
-        self._drop(supervisor, launch, phase, late)
+        self._drop(supervisor, slot, phase, late)
         return False
 
-    def _prepared_reset(self, supervisor: WorkerSupervisor, launch: Launch) -> bool:
-        """NOTE [prepared reset]: ask ready ``launch`` to reset its env ahead (once), and read
+    def _prepared_reset(self, supervisor: WorkerSupervisor, slot: Slot) -> bool:
+        """NOTE [prepared reset]: ask the ready standby to reset its env ahead (once), and read
         its answer if it came (no wait). True once read; False while it is not there yet, or
         if the standby died (dropped then)."""
-        slot = launch.slot
-        if slot not in self.prepared:
+        launch = slot.standby
+        assert launch is not None
+        if slot.prepared is None:
             launch.channel.send((PREPARE_RESET, None))
-            self.prepared[slot] = "sent"
-        if self.prepared[slot] == "answered":
+            slot.prepared = "sent"
+        if slot.prepared == "answered":
             return True
-        return launch.channel.poll(0) and self._read_prepared(supervisor, launch)
+        return launch.channel.poll(0) and self._read_prepared(supervisor, slot)
 
-    def _await_prepared(
-        self, supervisor: WorkerSupervisor, launch: Launch, engine: Any, env: Upstream
-    ) -> bool:
-        """:meth:`_prepared_reset`, waiting for the answer up to the engine's answer limit. False
-        if the standby died or passed that limit (dropped then)."""
-        if self._prepared_reset(supervisor, launch):
+    def _await_prepared(self, supervisor: WorkerSupervisor, slot: Slot, env: Upstream) -> bool:
+        """:meth:`_prepared_reset`, waiting for the answer up to the answer limit. False if the
+        standby died or passed that limit (dropped then)."""
+        if self._prepared_reset(supervisor, slot):
             return True
-        if launch.slot not in self.standby:  # it died: dropped
+        launch = slot.standby
+        if launch is None:  # it died: dropped
             return False
-        deadline = time.monotonic() + engine.answer_limit(env)
+        deadline = time.monotonic() + self.options.answer_limit(env.pipe_timeout)
         while not launch.channel.poll(0):
-            if supervisor.succession.gone(launch.slot):
-                self._drop(supervisor, launch, _PREPARE)
+            if supervisor.succession.gone(slot.index):
+                self._drop(supervisor, slot, _PREPARE)
                 return False
             if time.monotonic() >= deadline:
-                self._drop(supervisor, launch, _PREPARE, engine.answer_bound(env))
+                self._drop(supervisor, slot, _PREPARE, self.options.answer_bound(env.pipe_timeout))
                 return False
             multiprocessing.connection.wait([launch.channel, launch.process.sentinel], timeout=0.02)
-        return self._read_prepared(supervisor, launch)
+        return self._read_prepared(supervisor, slot)
 
-    def _read_prepared(self, supervisor: WorkerSupervisor, launch: Launch) -> bool:
-        """Read ``launch``'s answer to :data:`PREPARE_RESET` (it is in its pipe, or EOF)."""
+    def _read_prepared(self, supervisor: WorkerSupervisor, slot: Slot) -> bool:
+        """Read the standby's answer to :data:`PREPARE_RESET` (it is in its pipe, or EOF)."""
+        launch = slot.standby
+        assert launch is not None
         if not read_answer(launch.channel):
-            self._drop(supervisor, launch, _PREPARE)
+            self._drop(supervisor, slot, _PREPARE)
             return False
-        self.prepared[launch.slot] = "answered"
+        slot.prepared = "answered"
         return True
 
-    def _drop(
-        self, supervisor: WorkerSupervisor, launch: Launch, phase: str, late: str | None = None
-    ) -> None:
-        """``launch`` (a standby) exited before it could do ``phase``, or did not do it within
-        ``late`` (the limit, named): kill it; the slot's current worker goes on. The warning
-        says which, with the exit code of one that exited."""
+    def _drop(self, supervisor: WorkerSupervisor, slot: Slot, phase: str, late: str | None = None) -> None:
+        """The standby exited before it could do ``phase``, or did not do it within ``late``
+        (the limit, named): kill it; the slot's current worker goes on. The warning says
+        which, with the exit code of one that exited."""
+        launch = slot.standby
+        assert launch is not None
         if late is not None:
             why = f"it did not {phase} within {late}"
         else:
-            code = supervisor.succession.exitcode(launch.slot)
+            code = supervisor.succession.exitcode(slot.index)
             why = f"it exited with exit code {format_exitcode(code)} before it could {phase}"
         log.warning(
             "%s could not start slot %d's next worker (pid %s) for recycling: %s; its current "
             "worker goes on, and another is started at the next call",
             supervisor.label,
-            launch.slot,
+            slot.index,
             launch.process.pid,
             why,
         )
-        self._forget_standby(supervisor, launch.slot)
+        self._forget_standby(supervisor, slot)
 
-    def _forget_standby(self, supervisor: WorkerSupervisor, slot: int) -> None:
-        """Slot ``slot``'s standby, if any, is killed and forgotten."""
-        self.prepared.pop(slot, None)
-        if self.standby.pop(slot, None) is not None:
-            supervisor.succession.discard(slot)
+    def _forget_standby(self, supervisor: WorkerSupervisor, slot: Slot) -> None:
+        """The slot's standby, if any, is killed and forgotten."""
+        if slot.drop_standby() is not None:
+            supervisor.succession.discard(slot.index)
 
     # ------------------------------------------------------------------ boundaries
-    def route(self, env: Upstream, supervisor: WorkerSupervisor, engine: Any, slot: int, message: Any) -> Any:
-        """A command to slot ``slot``'s channel: ``None`` to send it as is, else
+    def route(self, env: Upstream, supervisor: WorkerSupervisor, index: int, message: Any) -> Any:
+        """A command to slot ``index``'s channel: ``None`` to send it as is, else
         ``(channel, message)`` to send instead (see the module docstring)."""
+        slot = self.slots[index]
         command = message[0]
         if command == "reset":
-            if slot in self.due and self._standby_ready(env, supervisor, engine, slot):
-                channel = self._swap(env, supervisor, engine, slot, "reset", time.monotonic())
+            if slot.due is not None and self._standby_ready(env, supervisor, slot):
+                channel = self._swap(env, supervisor, slot, "reset", time.monotonic())
                 return channel, message
             self._boundary(supervisor, slot)
             return None
-        if command == "step_and_maybe_reset" and slot in self.due and slot in self.standby:
-            self.translated.add(slot)
+        if command == "step_and_maybe_reset" and slot.due is not None and slot.standby is not None:
+            slot.translated = True
             return None, ("step", message[1])
         return None
 
-    def after_wait(self, env: Upstream, supervisor: WorkerSupervisor, engine: Any, slots: list[int]) -> None:
-        """After the answers of ``slots``: a swapped slot's first reset is done (its record is
-        kept); episode ends inside ``step_and_maybe_reset`` are counted, and a translated slot
-        whose episode ended gets its standby, reset."""
+    def after_wait(self, env: Upstream, supervisor: WorkerSupervisor, indices: list[int]) -> None:
+        """After the answers of slots ``indices``: a swapped slot's first reset is done (its
+        record is finished); episode ends inside ``step_and_maybe_reset`` are counted, and a
+        translated slot whose episode ended gets its standby, reset."""
         owner = env.owner
-        for slot in slots:
-            if slot in self._records:
-                self._finish_record(engine, slot)
-            translated = slot in self.translated
-            channel = owner.channels[slot]
+        for index in indices:
+            slot = self.slots[index]
+            if slot.swap is not None:
+                self._finish_swap(slot)
+            translated = slot.translated
+            channel = owner.channels[index]
             if not translated and getattr(channel, "last_command", None) != "step_and_maybe_reset":
                 continue
-            self.translated.discard(slot)
-            if not _episode_ended(owner, slot):
+            slot.translated = False
+            if not _episode_ended(owner, index):
                 continue
             if not translated:
                 self._boundary(supervisor, slot)  # the worker reset its env itself
                 continue
             t0 = time.monotonic()
             target = channel
-            if self._standby_ready(env, supervisor, engine, slot):
-                target = self._swap(env, supervisor, engine, slot, "step_and_maybe_reset", t0)
+            if self._standby_ready(env, supervisor, slot):
+                target = self._swap(env, supervisor, slot, "step_and_maybe_reset", t0)
             # Else the standby could not start: the old worker resets its env, as it was asked.
             target.send(("reset", (False, {})))  # counted by the route
-            await_answers(supervisor, env, [slot], engine.answer_limit(env))
-            if slot in self._records:
-                self._finish_record(engine, slot)
+            await_answers(supervisor, env, [index], self.options.answer_limit(env.pipe_timeout))
+            if slot.swap is not None:
+                self._finish_swap(slot)
 
-    def _boundary(self, supervisor: WorkerSupervisor, slot: int) -> None:
-        """Slot ``slot``'s worker starts an episode: count it; is the slot due now?"""
-        self.episodes[slot] += 1
-        if self.every is not None and self.episodes[slot] >= self.every:
-            self.due.setdefault(slot, "episodes")
-        if self.memory is not None and slot not in self.due:
+    def _boundary(self, supervisor: WorkerSupervisor, slot: Slot) -> None:
+        """The slot's worker starts an episode: count it; is the slot due now?"""
+        slot.episodes += 1
+        if self.every is not None and slot.episodes >= self.every and slot.due is None:
+            slot.due = "episodes"
+        if self.memory is not None and slot.due is None:
             held = self._held(supervisor, slot, self.memory)
             if held is not None:
-                grew = max(0, held - self.held_at.get(slot, held))
-                self.held_at[slot] = held
+                grew = max(0, held - _or(slot.held_at, held))
+                slot.held_at = held
                 if held + grew > self.memory:  # over, or would be after one more such episode
-                    self.due.setdefault(slot, "memory")
+                    slot.due = "memory"
 
-    def _held(self, supervisor: WorkerSupervisor, slot: int, cap: int) -> int | None:
-        """Slot ``slot``'s tree memory now, read, or estimated where the estimate says it is
-        not due (NOTE [unique memory]); ``None`` if its worker is gone, or if its RSS alone
-        shows that it is not due (its USS is no more than its RSS)."""
-        tree = supervisor.sample_tree(slot, smaps=False)
+    def _held(self, supervisor: WorkerSupervisor, slot: Slot, cap: int) -> int | None:
+        """The slot's tree memory now, read, or estimated where the estimate says it is not due
+        (NOTE [unique memory]); ``None`` if its worker is gone, or if its RSS alone shows that
+        it is not due (its USS is no more than its RSS)."""
+        tree = supervisor.sample_tree(slot.index, smaps=False)
         if tree is None:
             return None
         if not self._unique(supervisor):
             return tree.rss
-        if tree.rss + max(0, tree.rss - self.held_at.get(slot, tree.rss)) <= cap:
+        if tree.rss + max(0, tree.rss - _or(slot.held_at, tree.rss)) <= cap:
             return None
         now = time.monotonic()
-        last = self.readings.get(slot)
+        last = slot.reading
         if last is not None and now < last.until:
             estimate = last.uss + max(0, tree.rss - last.rss)
-            if estimate + max(0, estimate - self.held_at.get(slot, estimate)) <= cap:
+            if estimate + max(0, estimate - _or(slot.held_at, estimate)) <= cap:
                 return estimate
         t0 = time.perf_counter()
-        tree = supervisor.sample_tree(slot, smaps=True)
+        tree = supervisor.sample_tree(slot.index, smaps=True)
         if tree is None or tree.uss is None:
             return None
         # The reads that refresh estimates take at most WATCH_SHARE of the time, all slots together.
         spacing = (time.perf_counter() - t0) * len(supervisor.pids()) / WATCH_SHARE
-        self.readings[slot] = _Reading(tree.uss, tree.rss, now + max(SAMPLE_INTERVAL, spacing))
+        slot.reading = Reading(tree.uss, tree.rss, now + max(SAMPLE_INTERVAL, spacing))
         return tree.uss
 
-    def _standby_ready(self, env: Upstream, supervisor: WorkerSupervisor, engine: Any, slot: int) -> bool:
-        """Whether slot ``slot``'s standby can take the slot now: its handshake (if it was not
-        built before the boundary) and its prepared reset awaited. Every standby's env is reset
-        ahead, late or not, so that the slot's data never depends on when it got ready (a
-        reset with an input is the env's second either way)."""
-        launch = self.standby.get(slot)
+    def _standby_ready(self, env: Upstream, supervisor: WorkerSupervisor, slot: Slot) -> bool:
+        """Whether the slot's standby can take the slot now: its handshake (if it was not built
+        before the boundary) and its prepared reset awaited. Every standby's env is reset ahead,
+        late or not, so that the slot's data never depends on when it got ready (a reset with
+        an input is the env's second either way)."""
+        launch = slot.standby
         if launch is None:
             return False
-        if not launch.ready and not self._try_ready(env, supervisor, engine, launch, wait=True):
+        if not launch.ready and not self._try_ready(env, supervisor, slot, wait=True):
             return False
-        return self._await_prepared(supervisor, launch, engine, env)
+        return self._await_prepared(supervisor, slot, env)
 
-    def _swap(
-        self, env: Upstream, supervisor: WorkerSupervisor, engine: Any, slot: int, command: str, t0: float
-    ) -> Any:
-        """The standby takes slot ``slot``; the old worker retires (it is sent "close" once the new
+    def _swap(self, env: Upstream, supervisor: WorkerSupervisor, slot: Slot, command: str, t0: float) -> Any:
+        """The standby takes the slot; the old worker retires (it is sent "close" once the new
         one has answered its first reset: the two do not share the cores meanwhile). Returns
         the new channel."""
-        launch = self.standby.pop(slot)
-        self.prepared.pop(slot, None)
-        cause = self.due.pop(slot)
-        old_pid = supervisor.pids()[slot]
-        new, old = supervisor.promote(slot, self.options.shutdown_timeout)
+        launch, cause, seed = slot.drop_standby(), slot.due, slot.standby_seed
+        assert launch is not None and cause is not None
+        slot.due, slot.standby_seed = None, None
+        old_pid = supervisor.pids()[slot.index]
+        new, old = supervisor.promote(slot.index, self.options.shutdown_timeout)
         assert isinstance(new, RestartableChannel) and isinstance(old, RestartableChannel)
         self.launcher.install(env, launch, new)
         new.route = old.route
         old.route = None
         old.intercept = None
-        self.episodes[slot] = 0
-        self.held_at.pop(slot, None)
-        self.readings.pop(slot, None)
-        seed = self._standby_seed.pop(slot, None)
+        slot.new_worker()
         record = RestartRecord(
-            slot,
+            slot.index,
             old_pid,
             launch.process.pid,
             cause,
@@ -411,30 +381,31 @@ class Recycler:
             0.0,
             seed=None if seed is None else seed[0],
         )
-        self._records[slot] = (record, t0, supervisor.label, old)
+        slot.swap = Swap(record, t0, supervisor.label, old)
         return new
 
-    def _finish_record(self, engine: Any, slot: int) -> None:
-        """Slot ``slot``'s new worker answered its first reset: its record, with the time the
-        swap took (the reset included), goes to ``env.restarts`` and ``on_restart``."""
-        record, t0, label, old = self._records.pop(slot)
-        done = dataclasses.replace(record, ready_after=time.monotonic() - t0)
-        old.send(("close", None))
-        engine.restarts.append(done)
-        log.info("%s recycled worker %s", label, done)
-        engine.notify(done)
+    def _finish_swap(self, slot: Slot) -> None:
+        """The slot's new worker answered its first reset: its record, with the time the swap
+        took (the reset included), is finished; the old worker is sent "close"."""
+        swap = slot.swap
+        assert swap is not None
+        slot.swap = None
+        done = dataclasses.replace(swap.record, ready_after=time.monotonic() - swap.started)
+        swap.retiring.send(("close", None))
+        log.info("%s recycled worker %s", swap.label, done)
+        self.finished.append(done)
 
-    def forget_slot(self, supervisor: WorkerSupervisor, slot: int) -> None:
-        """Slot ``slot`` lost its worker (restarted): its recycling starts over."""
-        self.episodes[slot] = 0
-        self.due.pop(slot, None)
-        self.translated.discard(slot)
-        self.held_at.pop(slot, None)
-        self.readings.pop(slot, None)
-        pending = self._records.pop(slot, None)
-        if pending is not None:
-            pending[3].send(("close", None))  # the retired worker: its successor was lost
+    def forget_slot(self, supervisor: WorkerSupervisor, index: int) -> None:
+        """Slot ``index`` lost its worker (restarted): its recycling starts over."""
+        slot = self.slots[index]
+        if slot.swap is not None:
+            slot.swap.retiring.send(("close", None))  # the retired worker: its successor was lost
         self._forget_standby(supervisor, slot)
+        slot.end_recycling()
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 def _episode_ended(owner: Upstream, slot: int) -> bool:

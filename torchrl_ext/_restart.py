@@ -34,10 +34,11 @@ from ._intercept import is_worker_entry
 from ._marks import clear_marks, clear_root_marks, mark_transition
 from ._options import Options
 from ._plan import StartPlan
-from ._policy import Backoff, RestartBudget, RestartRecord, replacement_seed, restarts_on_error
+from ._policy import Backoff, RestartBudget, RestartRecord, restarts_on_error
 from ._record import Loss
 from ._recycle import Recycler
 from ._replace import LOSS_WAIT, Launch, Launcher, handshake, reset_all, seed_all
+from ._slots import Slots
 from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor
 from ._templates import recording_starts
 
@@ -60,12 +61,11 @@ class RestartEngine:
     the marks, the indexed views. The env calls it; it calls the supervisor's operations.
 
     Fields and who changes them (the env's calling thread only, never the watcher):
-    ``restarts`` grows by one record per replacement (never shrinks); ``launcher`` holds the
-    templates and the plan, set by :meth:`adopt` at each start and dropped by :meth:`forget`;
-    ``mark_keys`` is set once the specs are known; ``marked`` holds the slots whose ``"next"``
-    holds a mark until the next call clears it; ``fresh_obs`` holds a replacement's reset
-    observation until its mark is written; ``seeds`` holds, per slot, the last seed
-    ``set_seed`` gave it, and ``incarnations`` how many workers replaced its first.
+    ``restarts`` grows by one record per replacement or recycling (never shrinks); ``slots``
+    holds what the engine and the recycler remember per slot (``_slots.Slot``: its seed,
+    incarnation, mark, ...); ``launcher`` holds the templates and the plan, set by
+    :meth:`adopt` at each start and dropped by :meth:`forget`; ``mark_keys`` is set once the
+    specs are known.
     """
 
     def __init__(self, options: Options) -> None:
@@ -74,18 +74,10 @@ class RestartEngine:
         self.backoff = Backoff(options.restart_backoff)
         self.restarts: list[RestartRecord] = []
         self.launcher = Launcher()
-        self.recycler = Recycler(options, self.launcher)
+        self.slots = Slots()
+        self.recycler = Recycler(options, self.launcher, self.slots)
         #: Done entries only restarts write (set by the owner once its specs are known).
         self.mark_keys: list[str] = []
-        self.marked: set[int] = set()
-        #: Per slot, the observation its replacement's first reset gave, until the slot's marked
-        #: transition is written: TorchRL's partial reset of other slots copies a slot's last
-        #: "next" over its root, so the root cannot be trusted to still hold it.
-        self.fresh_obs: dict[int, Any] = {}
-        self.seeds: dict[int, tuple[int, bool]] = {}
-        self.incarnations: collections.Counter[int] = collections.Counter()
-        #: Per slot, the pid and factory of a replacement killed for passing ``start_timeout``.
-        self._start_timed_out: dict[int, tuple[int, str]] = {}
 
     @property
     def on(self) -> bool:
@@ -106,7 +98,8 @@ class RestartEngine:
             set_process_kwargs(template, {k: v for k, v in kwargs.items() if k not in PER_START_KWARGS})
         launcher = self.launcher
         launcher.templates, launcher.plan, launcher.fifo = templates, plan, fifo
-        self.marked = set()
+        for slot in self.slots:
+            slot.marked = False
         if self.options.replaceable_workers and len(templates) != workers:
             raise RuntimeError(
                 f"torchrl_ext could not record the {workers} worker processes TorchRL started "
@@ -136,7 +129,7 @@ class RestartEngine:
         env = env_ref()
         if env is None:
             return None
-        return self.recycler.route(Upstream(env), supervisor, self, slot, message)
+        return self.recycler.route(Upstream(env), supervisor, slot, message)
 
     def remember_view(self, view: Any) -> None:
         self.launcher.views.append(weakref.ref(view))
@@ -147,25 +140,26 @@ class RestartEngine:
             message = getattr(channel, "last_message", None)
             if isinstance(message, tuple) and message and message[0] == "seed":
                 seed, static = message[1]
-                self.seeds[slot] = (int(seed), bool(static))
+                self.slots[slot].seed = (int(seed), bool(static))
 
     # ------------------------------------------------------------------ between calls
     def pending(self, supervisor: WorkerSupervisor) -> bool:
         """Whether the next call must first clear marks or replace lost workers (no system call)."""
-        if self.marked or supervisor.has_losses:
+        if supervisor.has_losses or any(slot.marked for slot in self.slots):
             return True
         return self.recycler.on and self.recycler.pending(supervisor)
 
     def between_calls(self, env: Upstream, supervisor: WorkerSupervisor) -> None:
-        if self.marked:
+        marked = self.slots.marked()
+        if marked:
             buffers = env.owner.slot_buffers
-            for slot in self.marked:
-                clear_marks(buffers[slot], self.mark_keys)
-            self.marked = set()
+            for slot in marked:
+                clear_marks(buffers[slot.index], self.mark_keys)
+                slot.marked = False
         if supervisor.has_losses:
             self.handle_losses(env, supervisor, in_flight=())
         if self.recycler.on:
-            self.recycler.prepare(env, supervisor, self)
+            self.recycler.prepare(env, supervisor)
 
     def after_reset(self, env: Upstream, out: Any) -> None:
         """Every reset clears the root entries restarts add (marks live in ``"next"``)."""
@@ -211,7 +205,12 @@ class RestartEngine:
                 supervisor.poll()
                 check()
                 if self.recycler.on:
-                    self.recycler.after_wait(env, supervisor, self, slots)
+                    try:
+                        self.recycler.after_wait(env, supervisor, slots)
+                    finally:
+                        for record in self.recycler.take_finished():
+                            self.restarts.append(record)
+                            self.notify(record)
                 return
             except _Lost:
                 if not waiting:  # every answer was read: only the replacements' are awaited
@@ -278,7 +277,7 @@ class RestartEngine:
         failure = lost.failure
         history = "; ".join(str(r) for r in self.restarts[-5:]) or "none"
         detail = f"{reason}; restarts so far ({len(self.restarts)}): {history}"
-        timed_out = self._start_timed_out.get(lost.index)
+        timed_out = self.slots[lost.index].start_timed_out
         if isinstance(failure, WorkerHungError) and timed_out is not None and timed_out[0] == lost.pid:
             failure = WorkerStartTimeoutError(
                 lost.index, lost.pid, failure.timeout, timed_out[1], detail, failure.stacks
@@ -297,28 +296,8 @@ class RestartEngine:
             failure.add_note(f"torchrl_ext: worker {lost.index} (pid {lost.pid}) not restarted: {detail}")
         raise_failure(supervisor.give_up(failure))
 
-    def answer_limit(self, env: Upstream) -> float:
-        """How long a worker may take to answer one command: ``step_timeout``, else TorchRL's
-        wait (replacements' seeds and resets, and standbys', are bounded by it)."""
-        limit = self.options.step_timeout
-        return env.pipe_timeout if limit is None else limit
-
-    def answer_bound(self, env: Upstream) -> str:
-        """:meth:`answer_limit`, as a warning names it (the parameter that set it)."""
-        limit = self.answer_limit(env)
-        return (
-            f"step_timeout={limit:g}s"
-            if self.options.step_timeout is not None
-            else f"{limit:g}s (TorchRL's pipe_timeout)"
-        )
-
-    def start_limit(self, env: Upstream) -> float:
-        """How long a worker may take to build its env: ``start_timeout``, else TorchRL's wait."""
-        limit = self.options.start_timeout
-        return env.pipe_timeout if limit is None else limit
-
     def _cause(self, lost: Loss) -> int | str | None:
-        timed_out = self._start_timed_out.get(lost.index)
+        timed_out = self.slots[lost.index].start_timed_out
         if timed_out is not None and timed_out[0] == lost.pid:
             return "start_timeout"
         if lost.hung:
@@ -338,9 +317,11 @@ class RestartEngine:
         the round is a loss of the next. Returns the records of this round."""
         launches = self._launch_round(env, supervisor, losses)
         for slot in handshake(
-            supervisor, [launch for launch, _l, _d in launches.values()], self.start_limit(env)
+            supervisor,
+            [launch for launch, _l, _d in launches.values()],
+            self.options.start_limit(env.pipe_timeout),
         ):
-            self._start_timed_out[slot] = (
+            self.slots[slot].start_timed_out = (
                 launches[slot][0].process.pid,
                 describe_factory(env.factory_of(slot)),
             )
@@ -366,7 +347,8 @@ class RestartEngine:
             pause = due - time.monotonic()
             if pause > 0:
                 time.sleep(pause)  # restart_backoff: a slot that keeps failing waits
-            self.recycler.forget_slot(supervisor, lost.index)
+            if self.recycler.on:
+                self.recycler.forget_slot(supervisor, lost.index)
             supervisor.forget_report(lost.index)
             Answers(env.owner.done_flags, None).clear(lost.index)  # its last answer may be there
             launch = self.launcher.launch(lost.index, supervisor.tag)
@@ -382,11 +364,10 @@ class RestartEngine:
         (``replacement_seed``), all at once. Returns what each was sent."""
         seeds: dict[int, tuple[Launch, int, bool]] = {}
         for slot, (launch, _lost, _delay) in ready.items():
-            self.incarnations[slot] += 1
-            if slot in self.seeds:
-                seed, static = self.seeds[slot]
-                seeds[slot] = (launch, replacement_seed(seed, slot, self.incarnations[slot]), static)
-        seed_all(supervisor, seeds, self.answer_limit(env))
+            seed = self.slots[slot].next_seed()
+            if seed is not None:
+                seeds[slot] = (launch, *seed)
+        seed_all(supervisor, seeds, self.options.answer_limit(env.pipe_timeout))
         return seeds
 
     def _record_round(
@@ -445,13 +426,15 @@ class RestartEngine:
                 launch.channel.send(message)  # the same reset again, on the new env; answered as usual
             else:
                 to_reset.append(launch)
-        reset_all(supervisor, env, to_reset, self.answer_limit(env))
+        reset_all(supervisor, env, to_reset, self.options.answer_limit(env.pipe_timeout))
         owner = env.owner
         for launch in to_reset:
             if not launch.ready:
                 continue
             slot = launch.slot
-            self.fresh_obs[slot] = owner.slot_buffers[slot].select(*owner.obs_keys).clone()
+            # TorchRL's partial reset of other slots copies a slot's last "next" over its
+            # root: the root cannot be trusted to still hold this observation at the mark.
+            self.slots[slot].fresh_obs = owner.slot_buffers[slot].select(*owner.obs_keys).clone()
             if slot in in_flight and owed[slot][0] in ("step", "step_and_maybe_reset"):
                 self._mark(env, slot)
             else:  # lost between calls: the slot's next step is answered by a mark
@@ -470,10 +453,11 @@ class RestartEngine:
 
     def _mark(self, env: Upstream, slot: int) -> None:
         owner = env.owner
-        fresh = self.fresh_obs.pop(slot, None)
+        record = self.slots[slot]
+        fresh, record.fresh_obs = record.fresh_obs, None
         slot_td = owner.slot_buffers[slot]
         mark_transition(slot_td, owner.obs_keys, owner.env.reward_keys, owner.env.done_keys, fresh)
-        self.marked.add(slot)
+        record.marked = True
         Answers(owner.done_flags, owner.events).set(slot)
 
     def _intercept(self, env: Upstream, slot: int, channel: Any, message: tuple[Any, ...]) -> bool:

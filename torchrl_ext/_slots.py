@@ -1,0 +1,128 @@
+"""One record per worker slot: what restarts and recycling remember about it.
+
+A slot is a position in TorchRL's by-position lists (``workers``, ``channels``, ``events``,
+the shared buffers). Its processes belong to the supervisor (``_supervisor``, ``_succession``);
+what the env's policies remember about the slot, across the workers that hold it in turn, is
+one :class:`Slot`: the restart engine (``_restart``) and the recycler (``_recycle``) read and
+write it, on the env's calling thread only. :meth:`Slot.next_seed` is the one place a new
+worker of the slot is counted and seeded, :meth:`Slot.new_worker` the one place its
+per-worker counts start over, :meth:`Slot.end_recycling` the one place its recycling ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from ._policy import RecycleCause, RestartRecord, replacement_seed
+from ._replace import Launch
+
+__all__ = ["Reading", "Slot", "Slots", "Swap"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """One slot's tree at a boundary where its USS was read (NOTE [unique memory])."""
+
+    uss: int
+    #: Its RSS in the same read: what the RSS grew since is added to ``uss`` to estimate it.
+    rss: int
+    #: ``time.monotonic()`` until which an estimate from it may stand.
+    until: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Swap:
+    """A recycled slot whose new worker's first reset is still awaited."""
+
+    record: RestartRecord
+    #: ``time.monotonic()`` at the swap (the record's ``ready_after`` counts from it).
+    started: float
+    #: The env's label, as the log line names it.
+    label: str
+    #: The old worker's channel: sent "close" once the new worker answered that reset.
+    retiring: Any
+
+
+@dataclasses.dataclass(eq=False)
+class Slot:
+    """What the env's policies remember about slot ``index``. Each field: its invariant; who writes it."""
+
+    index: int
+    # --- restarts (the engine)
+    #: The last ``(seed, static_seed)`` ``set_seed`` sent the slot; ``None``: never seeded. The engine.
+    seed: tuple[int, bool] | None = None
+    #: How many workers replaced the slot's first; only grows. :meth:`next_seed`.
+    incarnation: int = 0
+    #: Its ``"next"`` holds a restart's mark, cleared at the next call. The engine.
+    marked: bool = False
+    #: Its replacement's first reset observation, kept until its mark is written. The engine.
+    fresh_obs: Any = None
+    #: ``(pid, factory)`` of a replacement killed for passing ``start_timeout``. The engine.
+    start_timed_out: tuple[int, str] | None = None
+    # --- recycling (the recycler); :meth:`end_recycling` resets them all
+    #: Resets of the slot's current worker; 0 when a worker takes the slot (:meth:`new_worker`).
+    episodes: int = 0
+    #: Why the slot is recycled at its next episode boundary; ``None``: not due.
+    due: RecycleCause | None = None
+    #: Its next worker, started ahead of the boundary; set only while ``due``.
+    standby: Launch | None = None
+    #: What the standby is seeded with (``None``: the slot was never seeded); set with it.
+    standby_seed: tuple[int, bool] | None = None
+    #: The standby's prepared reset: sent, or its answer read; ``None`` with no standby.
+    prepared: Literal["sent", "answered"] | None = None
+    #: Its ``step_and_maybe_reset`` in flight was sent as ``step`` (a standby waits).
+    translated: bool = False
+    #: Its tree's memory (NOTE [unique memory]) at its last boundary; ``None``: not read yet.
+    held_at: int | None = None
+    #: Its last USS read, from which an estimate may stand.
+    reading: Reading | None = None
+    #: Set at a swap until the new worker answered its first reset.
+    swap: Swap | None = None
+
+    def next_seed(self) -> tuple[int, bool] | None:
+        """A new worker is started for the slot: count it, and return its seed (from the slot's
+        with ``replacement_seed``; ``None`` if the slot was never seeded)."""
+        self.incarnation += 1
+        if self.seed is None:
+            return None
+        return replacement_seed(self.seed[0], self.index, self.incarnation), self.seed[1]
+
+    def new_worker(self) -> None:
+        """A new worker holds the slot: its episode count and memory readings start over."""
+        self.episodes, self.held_at, self.reading = 0, None, None
+
+    def drop_standby(self) -> Launch | None:
+        """Forget the standby (and its prepared reset); return it, for its process to be ended."""
+        standby, self.standby, self.prepared = self.standby, None, None
+        return standby
+
+    def end_recycling(self) -> None:
+        """Recycling starts over for the slot (its worker was lost, or the env closed): the
+        caller has ended the standby and retired worker these fields named."""
+        self.new_worker()
+        self.due, self.translated, self.swap = None, False, None
+        self.drop_standby()
+        self.standby_seed = None
+
+
+class Slots:
+    """The slots of one env, by index, made on first use (the env's calling thread only)."""
+
+    def __init__(self) -> None:
+        self._slots: list[Slot] = []
+
+    def __getitem__(self, index: int) -> Slot:
+        while len(self._slots) <= index:
+            self._slots.append(Slot(len(self._slots)))
+        return self._slots[index]
+
+    def __iter__(self) -> Iterator[Slot]:
+        return iter(self._slots)
+
+    def marked(self) -> list[Slot]:
+        return [slot for slot in self._slots if slot.marked]
+
+    def due(self) -> list[Slot]:
+        return [slot for slot in self._slots if slot.due is not None]
