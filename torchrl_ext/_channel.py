@@ -3,7 +3,7 @@
 It remembers the last command sent (every error names it), and turns a read that finds the
 worker gone into the worker's own failure. With restarts on, a send to a lost worker does not
 raise, the last message is kept for a replay, answers still owed are counted and can be
-drained, and the restart engine may take a command instead of sending it (``intercept``).
+drained, and the restart engine may handle a command itself instead of sending it (``hook``).
 """
 
 from __future__ import annotations
@@ -64,31 +64,29 @@ class RestartableChannel(ParentChannel):
     answer); the last message is kept (a reset in flight is replayed on the replacement);
     answers still owed on the pipe are counted, so that they can be drained before the next
     call (no later call may read an earlier call's answer); a read that finds the worker gone
-    raises the worker's loss (``on_eof``); ``intercept`` (set on a replacement that owes its
-    slot a marked transition) may take a command instead of sending it.
+    raises the worker's loss (``on_eof``); ``hook`` (the slot's policies: a replacement that
+    owes its slot a marked transition, recycling) may handle a command instead of sending it.
     """
 
     def __init__(self, conn: Any) -> None:
         super().__init__(conn)
         self.last_message: Any = None
-        #: Set by the restart engine on a replacement that owes its slot a marked transition;
-        #: returns True when it took the command (nothing is sent). Only the engine sets it.
-        self.intercept: Callable[[Any], bool] | None = None
-        #: Set by the recycler on every channel of an env that recycles: returns ``None`` (send
-        #: as is) or ``(channel, message)``: the message to send instead, on ``channel`` (a
-        #: recycled slot's new worker) or, ``None``, on this one. Only the recycler sets it.
-        self.route: Callable[[Any], Any] | None = None
+        #: The slot's send hook, set by the restart engine while its policies may handle a
+        #: command (recycling on, or a mark owed); cleared by it, or when the channel is
+        #: replaced. Returns ``None`` (send as is) or ``(channel, message)``: ``message`` to send
+        #: instead (``None``: nothing is sent) on ``channel`` (``None``: this one).
+        self.hook: Callable[[Any], tuple[Any, Any] | None] | None = None
         self.owed = 0
 
     def send(self, obj: Any) -> None:
         command = obj[0] if isinstance(obj, tuple) and obj else None
         if command is not None:
-            if self.intercept is not None and self.intercept(obj):
-                return
-            if self.route is not None:
-                routed = self.route(obj)
+            if self.hook is not None:
+                routed = self.hook(obj)
                 if routed is not None:
                     target, obj = routed
+                    if obj is None:  # handled: nothing is sent
+                        return
                     if target is not None:
                         target.send(obj)
                         return

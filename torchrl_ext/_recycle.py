@@ -367,9 +367,7 @@ class Recycler:
         new, old = supervisor.promote(slot.index, self.options.shutdown_timeout)
         assert isinstance(new, RestartableChannel) and isinstance(old, RestartableChannel)
         self.launcher.install(env, launch, new)
-        new.route = old.route
-        old.route = None
-        old.intercept = None
+        new.hook, old.hook = old.hook, None
         slot.new_worker()
         record = RestartRecord(
             slot.index,

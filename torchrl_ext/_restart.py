@@ -99,7 +99,7 @@ class RestartEngine:
         launcher = self.launcher
         launcher.templates, launcher.plan, launcher.fifo = templates, plan, fifo
         for slot in self.slots:
-            slot.marked = False
+            slot.new_start()
         if self.options.replaceable_workers and len(templates) != workers:
             raise RuntimeError(
                 f"torchrl_ext could not record the {workers} worker processes TorchRL started "
@@ -114,22 +114,43 @@ class RestartEngine:
         self.recycler.forget()
 
     def attached(self, env: Any, supervisor: WorkerSupervisor) -> None:
-        """Once the supervisor has the workers: with recycling on, route their channels."""
+        """Once the supervisor has the workers: with recycling on, hook their channels."""
         if self.recycler.on:
             for slot, channel in enumerate(Upstream(env).channels):
-                self._route(env, supervisor, slot, channel)
+                self._hook(env, supervisor, slot, channel)
 
-    def _route(self, env: Any, supervisor: WorkerSupervisor, slot: int, channel: Any) -> None:
-        if self.recycler.on:
-            channel.route = functools.partial(self._routed, weakref.ref(env), supervisor, slot)
+    def _hook(self, env: Any, supervisor: WorkerSupervisor, slot: int, channel: Any) -> None:
+        """Slot ``slot``'s commands on ``channel`` go through :meth:`_on_send` first."""
+        channel.hook = functools.partial(self._on_send, weakref.ref(env), supervisor, slot)
 
-    def _routed(
-        self, env_ref: weakref.ref[Any], supervisor: WorkerSupervisor, slot: int, message: Any
-    ) -> Any:
+    def _on_send(
+        self, env_ref: weakref.ref[Any], supervisor: WorkerSupervisor, index: int, message: Any
+    ) -> tuple[Any, Any] | None:
+        """The send hook of slot ``index`` (see ``RestartableChannel.hook``): a replacement's first
+        step is not sent, its transition is the marked one; with recycling on, the recycler
+        routes the command (a boundary may swap the slot's worker)."""
         env = env_ref()
         if env is None:
             return None
-        return self.recycler.route(Upstream(env), supervisor, slot, message)
+        slot = self.slots[index]
+        if slot.owes_mark:
+            command = message[0]
+            if command in ("step", "step_and_maybe_reset"):
+                slot.owes_mark = False
+                self._unhook(Upstream(env), index)
+                self._mark(Upstream(env), index)
+                return None, None
+            if command == "reset":
+                slot.owes_mark = False
+                self._unhook(Upstream(env), index)
+        if self.recycler.on:
+            return self.recycler.route(Upstream(env), supervisor, index, message)
+        return None
+
+    def _unhook(self, env: Upstream, index: int) -> None:
+        """Slot ``index``'s policies have nothing more to do with its commands (recycling off)."""
+        if not self.recycler.on:
+            env.owner.channels[index].hook = None
 
     def remember_view(self, view: Any) -> None:
         self.launcher.views.append(weakref.ref(view))
@@ -352,8 +373,10 @@ class RestartEngine:
             supervisor.forget_report(lost.index)
             Answers(env.owner.done_flags, None).clear(lost.index)  # its last answer may be there
             launch = self.launcher.launch(lost.index, supervisor.tag)
+            self.slots[lost.index].new_worker()
             self.launcher.install(env, launch, supervisor.replace(lost.index, launch.process, launch.channel))
-            self._route(env.owner.env, supervisor, lost.index, launch.channel)
+            if self.recycler.on:
+                self._hook(env.owner.env, supervisor, lost.index, launch.channel)
             launches[lost.index] = (launch, lost, delay)
         return launches
 
@@ -416,7 +439,7 @@ class RestartEngine:
     ) -> None:
         """Replay an in-flight reset on its replacement; reset the others, all at once, and
         mark the slot's transition now (a step in flight) or at its next step (lost between
-        calls: the intercept)."""
+        calls: the send hook)."""
         to_reset = []
         for slot, (launch, _lost, _delay) in ready.items():
             command, message = owed[slot]
@@ -438,7 +461,9 @@ class RestartEngine:
             if slot in in_flight and owed[slot][0] in ("step", "step_and_maybe_reset"):
                 self._mark(env, slot)
             else:  # lost between calls: the slot's next step is answered by a mark
-                launch.channel.intercept = functools.partial(self._intercept, env, slot, launch.channel)
+                self.slots[slot].owes_mark = True
+                if launch.channel.hook is None:
+                    self._hook(owner.env, supervisor, slot, launch.channel)
 
     def notify(self, record: RestartRecord) -> None:
         """``on_restart``, in the main process: an exception there is logged, never raised (the
@@ -459,17 +484,6 @@ class RestartEngine:
         mark_transition(slot_td, owner.obs_keys, owner.env.reward_keys, owner.env.done_keys, fresh)
         record.marked = True
         Answers(owner.done_flags, owner.events).set(slot)
-
-    def _intercept(self, env: Upstream, slot: int, channel: Any, message: tuple[Any, ...]) -> bool:
-        """A replacement's first step is not sent: its transition is the marked one."""
-        command = message[0]
-        if command in ("step", "step_and_maybe_reset"):
-            channel.intercept = None
-            self._mark(env, slot)
-            return True
-        if command == "reset":
-            channel.intercept = None
-        return False
 
 
 def raise_failure(failure: BaseException) -> NoReturn:

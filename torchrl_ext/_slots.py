@@ -59,6 +59,9 @@ class Slot:
     marked: bool = False
     #: Its replacement's first reset observation, kept until its mark is written. The engine.
     fresh_obs: Any = None
+    #: Its worker, a replacement lost between calls, owes it a marked transition: its next step
+    #: is answered by the mark (the send hook). Set by the engine; cleared at that step or reset.
+    owes_mark: bool = False
     #: ``(pid, factory)`` of a replacement killed for passing ``start_timeout``. The engine.
     start_timed_out: tuple[int, str] | None = None
     # --- recycling (the recycler); :meth:`end_recycling` resets them all
@@ -90,8 +93,14 @@ class Slot:
         return replacement_seed(self.seed[0], self.index, self.incarnation), self.seed[1]
 
     def new_worker(self) -> None:
-        """A new worker holds the slot: its episode count and memory readings start over."""
+        """A new worker holds the slot: it owes no mark yet; its episode count and memory
+        readings start over."""
+        self.owes_mark = False
         self.episodes, self.held_at, self.reading = 0, None, None
+
+    def new_start(self) -> None:
+        """The env started (again): no mark is pending."""
+        self.marked, self.owes_mark, self.fresh_obs = False, False, None
 
     def drop_standby(self) -> Launch | None:
         """Forget the standby (and its prepared reset); return it, for its process to be ended."""
