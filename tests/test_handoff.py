@@ -3,7 +3,7 @@
 There the workers start on TorchRL's direct loop, send their specs, and only then get the
 shared buffers ("buffers", answered "started"); an unset ``use_buffers`` is resolved to True
 once the specs are in. Every replacement and recycling standby takes part in that hand-off as
-the first workers did (``_replace.hand_off``). The scenarios of ``test_restarts`` and
+the first workers did (``_starting.hand_off``). The scenarios of ``test_restarts`` and
 ``test_recycle``, on this path. Before 0.15 TorchRL refuses buffers with
 ``metadata_from_workers`` (the contract suite checks ours refuses alike).
 """

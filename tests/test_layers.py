@@ -45,7 +45,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         ["_worker", "_intercept", "_forkserver", "_metadata", "_lifecycle"],
     ),
     ("supervision of processes", ["_record", "_stats", "_shutdown", "_succession", "_supervisor"]),
-    ("the start plan and starting a worker", ["_plan", "_replace"]),
+    ("the start plan and starting a worker", ["_plan", "_starting"]),
     ("policies over slots", ["_slots", "_recycle", "_restart"]),
     ("around each call, and the start sequence", ["_calls", "_start"]),
     ("the env", ["_env"]),

@@ -300,7 +300,7 @@ class ManagedParallelEnv(ParallelEnv):
     def _send_worker_buffers(self) -> None:
         """TorchRL >= 0.15 (#4341) hands each worker that sent its specs the shared buffers;
         what it sent is recorded, so that a replacement gets the same hand-off."""
-        with self._state.engine.launcher.recording_handoff(Upstream(self)):
+        with self._state.engine.starter.recording_handoff(Upstream(self)):
             super()._send_worker_buffers()  # type: ignore[misc,unused-ignore]
 
     def _cleanup_failed_worker_startup(self) -> None:

@@ -167,7 +167,7 @@ class Options:
         wait (``pipe_timeout``); replacements' and standbys' seeds and resets are bounded by it."""
         return pipe_timeout if self.step_timeout is None else self.step_timeout
 
-    def answer_bound(self, pipe_timeout: float) -> str:
+    def describe_answer_limit(self, pipe_timeout: float) -> str:
         """:meth:`answer_limit` as a warning names it: the parameter that set it."""
         if self.step_timeout is not None:
             return f"step_timeout={self.step_timeout:g}s"

@@ -53,8 +53,8 @@ from ._compat import Upstream
 from ._errors import format_exitcode
 from ._options import Options
 from ._policy import RestartRecord
-from ._replace import Launcher, await_answers, greet, read_answer, send_seed
 from ._slots import Reading, Slot, Slots, Swap
+from ._starting import WorkerStarter, await_answers, finish_handshake, read_answer, send_seed
 from ._stats import SAMPLE_INTERVAL, WATCH_SHARE
 from ._supervisor import WorkerSupervisor
 from ._worker import PREPARE_RESET
@@ -77,11 +77,11 @@ class Recycler:
     this env warned that RSS is its measure (once).
     """
 
-    def __init__(self, options: Options, launcher: Launcher, slots: Slots) -> None:
+    def __init__(self, options: Options, starter: WorkerStarter, slots: Slots) -> None:
         self.memory = options.recycle_memory
         self.every = options.recycle_every
         self.options = options
-        self.launcher = launcher
+        self.starter = starter
         self.slots = slots
         self.finished: list[RestartRecord] = []
         self._seen_samples: object = None
@@ -151,13 +151,13 @@ class Recycler:
 
     def _launch(self, supervisor: WorkerSupervisor, slot: Slot) -> None:
         supervisor.forget_report(slot.index)
-        launch = self.launcher.launch(slot.index, supervisor.tag)
+        launch = self.starter.start(slot.index, supervisor.tag)
         launch.channel = supervisor.add_standby(slot.index, launch.process, launch.channel)
         slot.standby = launch
         slot.standby_seed = slot.next_seed()
 
     def _try_ready(self, env: Upstream, supervisor: WorkerSupervisor, slot: Slot, wait: bool) -> bool:
-        """Finish the standby's handshake (and seeding) as a replacement's (``_replace``); with
+        """Finish the standby's handshake (and seeding) as a replacement's (``_starting``); with
         ``wait``, up to ``start_timeout``. A standby that died or is late is discarded (started
         again at the next call)."""
         launch = slot.standby
@@ -168,14 +168,14 @@ class Recycler:
         phase, late = "build its env", None
         while True:
             if launch.channel.poll(0):
-                if not greet(launch, answer_limit):
+                if not finish_handshake(launch, answer_limit):
                     break
                 seed = slot.standby_seed
                 if seed is not None:
                     send_seed(launch, *seed)
                     phase = "answer its seed"
                     if not launch.channel.poll(answer_limit):
-                        late = self.options.answer_bound(env.pipe_timeout)
+                        late = self.options.describe_answer_limit(env.pipe_timeout)
                     if late is not None or not read_answer(launch.channel):
                         launch.ready = False
                         break
@@ -218,7 +218,7 @@ class Recycler:
                 self._drop(supervisor, slot, _PREPARE)
                 return False
             if time.monotonic() >= deadline:
-                self._drop(supervisor, slot, _PREPARE, self.options.answer_bound(env.pipe_timeout))
+                self._drop(supervisor, slot, _PREPARE, self.options.describe_answer_limit(env.pipe_timeout))
                 return False
             multiprocessing.connection.wait([launch.channel, launch.process.sentinel], timeout=0.02)
         return self._read_prepared(supervisor, slot)
@@ -366,7 +366,7 @@ class Recycler:
         old_pid = supervisor.pids()[slot.index]
         new, old = supervisor.promote(slot.index, self.options.shutdown_timeout)
         assert isinstance(new, RestartableChannel) and isinstance(old, RestartableChannel)
-        self.launcher.install(env, launch, new)
+        self.starter.install(env, launch, new)
         new.hook, old.hook = old.hook, None
         slot.new_worker()
         record = RestartRecord(

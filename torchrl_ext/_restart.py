@@ -4,7 +4,7 @@ What ``ManagedParallelEnv`` does when a worker is lost with ``max_restarts > 0``
 docs/restarts.md and the data flow in docs/design.md): the supervisor has already killed and
 reaped the worker's tree and recorded the loss; :class:`RestartEngine`, on the env's calling
 thread, checks the policy (``_policy``: budget, backoff, which env errors restart), starts a
-copy of each lost slot's original ``multiprocessing.Process`` on fresh pipes (``_replace``:
+copy of each lost slot's original ``multiprocessing.Process`` on fresh pipes (``_starting``:
 all lost slots at once, their handshakes awaited together, each seeded from the env's seed),
 puts it in the owner's and every view's lists, and then either replays an in-flight reset, or
 resets the new env and writes the marked transition (``_marks``), or, lost between calls, takes
@@ -37,8 +37,8 @@ from ._plan import StartPlan
 from ._policy import Backoff, RestartBudget, RestartRecord, restarts_on_error
 from ._record import Loss
 from ._recycle import Recycler
-from ._replace import LOSS_WAIT, Launch, Launcher, handshake, reset_all, seed_all
 from ._slots import Slots
+from ._starting import LOSS_WAIT, StartingWorker, WorkerStarter, handshake, reset_all, seed_all
 from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor
 from ._templates import recording_starts
 
@@ -63,7 +63,7 @@ class RestartEngine:
     Fields and who changes them (the env's calling thread only, never the watcher):
     ``restarts`` grows by one record per replacement or recycling (never shrinks); ``slots``
     holds what the engine and the recycler remember per slot (``_slots.Slot``: its seed,
-    incarnation, mark, ...); ``launcher`` holds the templates and the plan, set by
+    incarnation, mark, ...); ``starter`` holds the templates and the plan, set by
     :meth:`adopt` at each start and dropped by :meth:`forget`; ``mark_keys`` is set once the
     specs are known.
     """
@@ -73,9 +73,9 @@ class RestartEngine:
         self.budget = RestartBudget(options.max_restarts, options.restart_window)
         self.backoff = Backoff(options.restart_backoff)
         self.restarts: list[RestartRecord] = []
-        self.launcher = Launcher()
+        self.starter = WorkerStarter()
         self.slots = Slots()
-        self.recycler = Recycler(options, self.launcher, self.slots)
+        self.recycler = Recycler(options, self.starter, self.slots)
         #: Done entries only restarts write (set by the owner once its specs are known).
         self.mark_keys: list[str] = []
 
@@ -96,8 +96,8 @@ class RestartEngine:
         for template in templates:  # each replacement gets its own pipes and event
             kwargs = process_kwargs(template)
             set_process_kwargs(template, {k: v for k, v in kwargs.items() if k not in PER_START_KWARGS})
-        launcher = self.launcher
-        launcher.templates, launcher.plan, launcher.fifo = templates, plan, fifo
+        starter = self.starter
+        starter.templates, starter.plan, starter.fifo = templates, plan, fifo
         for slot in self.slots:
             slot.new_start()
         if self.options.replaceable_workers and len(templates) != workers:
@@ -110,7 +110,7 @@ class RestartEngine:
     def forget(self) -> None:
         """At close: the templates hold the shared buffers and the done flags; recycling
         starts over with the next start (its standbys were ended with the workers)."""
-        self.launcher.forget()
+        self.starter.forget()
         self.recycler.forget()
 
     def attached(self, env: Any, supervisor: WorkerSupervisor) -> None:
@@ -153,7 +153,7 @@ class RestartEngine:
             env.owner.channels[index].hook = None
 
     def remember_view(self, view: Any) -> None:
-        self.launcher.views.append(weakref.ref(view))
+        self.starter.views.append(weakref.ref(view))
 
     def remember_seeds(self, env: Upstream) -> None:
         """After ``set_seed``: the seed each slot was sent (its channel's last message)."""
@@ -354,7 +354,7 @@ class RestartEngine:
 
     def _launch_round(
         self, env: Upstream, supervisor: WorkerSupervisor, losses: list[Loss]
-    ) -> dict[int, tuple[Launch, Loss, float]]:
+    ) -> dict[int, tuple[StartingWorker, Loss, float]]:
         """Start each loss's replacement once its backoff (``restart_backoff``) has passed, the
         earliest due first, and install it: ``slot -> (launch, loss, backoff)``."""
         now_started, now = _identity.clock(), time.monotonic()
@@ -363,7 +363,7 @@ class RestartEngine:
             lived = (now_started - (now - lost.lost_at)) - lost.create_time
             delay = self.backoff.delay(lost.index, lived)
             plans.append((lost.lost_at + delay, delay, lost))
-        launches: dict[int, tuple[Launch, Loss, float]] = {}
+        launches: dict[int, tuple[StartingWorker, Loss, float]] = {}
         for due, delay, lost in sorted(plans, key=lambda plan: plan[0]):
             pause = due - time.monotonic()
             if pause > 0:
@@ -372,20 +372,23 @@ class RestartEngine:
                 self.recycler.forget_slot(supervisor, lost.index)
             supervisor.forget_report(lost.index)
             Answers(env.owner.done_flags, None).clear(lost.index)  # its last answer may be there
-            launch = self.launcher.launch(lost.index, supervisor.tag)
+            launch = self.starter.start(lost.index, supervisor.tag)
             self.slots[lost.index].new_worker()
-            self.launcher.install(env, launch, supervisor.replace(lost.index, launch.process, launch.channel))
+            self.starter.install(env, launch, supervisor.replace(lost.index, launch.process, launch.channel))
             if self.recycler.on:
                 self._hook(env.owner.env, supervisor, lost.index, launch.channel)
             launches[lost.index] = (launch, lost, delay)
         return launches
 
     def _seed_round(
-        self, supervisor: WorkerSupervisor, env: Upstream, ready: dict[int, tuple[Launch, Loss, float]]
-    ) -> dict[int, tuple[Launch, int, bool]]:
+        self,
+        supervisor: WorkerSupervisor,
+        env: Upstream,
+        ready: dict[int, tuple[StartingWorker, Loss, float]],
+    ) -> dict[int, tuple[StartingWorker, int, bool]]:
         """Count each ready replacement's incarnation and seed those whose slot was seeded
         (``replacement_seed``), all at once. Returns what each was sent."""
-        seeds: dict[int, tuple[Launch, int, bool]] = {}
+        seeds: dict[int, tuple[StartingWorker, int, bool]] = {}
         for slot, (launch, _lost, _delay) in ready.items():
             seed = self.slots[slot].next_seed()
             if seed is not None:
@@ -396,8 +399,8 @@ class RestartEngine:
     def _record_round(
         self,
         supervisor: WorkerSupervisor,
-        ready: dict[int, tuple[Launch, Loss, float]],
-        seeds: dict[int, tuple[Launch, int, bool]],
+        ready: dict[int, tuple[StartingWorker, Loss, float]],
+        seeds: dict[int, tuple[StartingWorker, int, bool]],
     ) -> list[RestartRecord]:
         """A record in ``env.restarts`` (and a warning) for each replacement still ready, in the
         order the losses were seen (a backoff may have started a later one first)."""
@@ -433,7 +436,7 @@ class RestartEngine:
         self,
         env: Upstream,
         supervisor: WorkerSupervisor,
-        ready: dict[int, tuple[Launch, Loss, float]],
+        ready: dict[int, tuple[StartingWorker, Loss, float]],
         owed: dict[int, tuple[str | None, Any]],
         in_flight: Collection[int],
     ) -> None:

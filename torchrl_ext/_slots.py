@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 from ._policy import RecycleCause, RestartRecord, replacement_seed
-from ._replace import Launch
+from ._starting import StartingWorker
 
 __all__ = ["Reading", "Slot", "Slots", "Swap"]
 
@@ -70,7 +70,7 @@ class Slot:
     #: Why the slot is recycled at its next episode boundary; ``None``: not due.
     due: RecycleCause | None = None
     #: Its next worker, started ahead of the boundary; set only while ``due``.
-    standby: Launch | None = None
+    standby: StartingWorker | None = None
     #: What the standby is seeded with (``None``: the slot was never seeded); set with it.
     standby_seed: tuple[int, bool] | None = None
     #: The standby's prepared reset: sent, or its answer read; ``None`` with no standby.
@@ -102,7 +102,7 @@ class Slot:
         """The env started (again): no mark is pending."""
         self.marked, self.owes_mark, self.fresh_obs = False, False, None
 
-    def drop_standby(self) -> Launch | None:
+    def drop_standby(self) -> StartingWorker | None:
         """Forget the standby (and its prepared reset); return it, for its process to be ended."""
         standby, self.standby, self.prepared = self.standby, None, None
         return standby

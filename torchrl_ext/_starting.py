@@ -2,9 +2,10 @@
 every handshake, seed and reset of one round sent first and awaited together.
 
 The restart engine (``_restart``) replaces lost workers with it; the recycler (``_recycle``)
-starts a slot's next worker ahead of time with it. A :class:`Launch` is one such process from
-its start until it answers its first command; the :class:`Launcher` holds what every launch
-needs (the templates recorded at the env's start, how it started, the reaper's FIFO).
+starts a slot's next worker ahead of time with it. A :class:`StartingWorker` is one such
+process from its start until it answers its first command; the :class:`WorkerStarter` holds what
+every start needs (the templates recorded at the env's start, how it started, the reaper's
+FIFO) and installs a started worker in the env's by-position lists and views.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from ._tag import tagged_spawns
 from ._templates import copy_unstarted
 
 __all__ = [
-    "Launch",
-    "Launcher",
+    "StartingWorker",
+    "WorkerStarter",
     "await_all",
     "await_answers",
-    "greet",
+    "finish_handshake",
     "handshake",
     "read_answer",
     "reset_all",
@@ -52,8 +53,8 @@ LOSS_WAIT = 10.0
 
 
 @dataclass(eq=False)
-class Launch:
-    """One worker started for ``slot`` (fields set by :class:`Launcher`, then by the engine)."""
+class StartingWorker:
+    """One worker started for ``slot`` (fields set by :class:`WorkerStarter`, then by the engine)."""
 
     slot: int
     process: Any
@@ -70,7 +71,7 @@ class Launch:
     ready: bool = False
 
 
-class Launcher:
+class WorkerStarter:
     """Starts copies of the slots' recorded worker processes and installs them in the env.
 
     Fields and who changes them (the env's calling thread only): ``templates``, ``plan`` and
@@ -94,7 +95,7 @@ class Launcher:
         """At close: what this start recorded holds the shared buffers and the done flags."""
         self.templates, self.plan, self.handoffs = [], None, None
 
-    def launch(self, slot: int, tag: Any) -> Launch:
+    def start(self, slot: int, tag: Any) -> StartingWorker:
         """Start a copy of slot ``slot``'s worker on a fresh pipe and event (not installed:
         it touches no shared buffer before its first command)."""
         template = self.templates[slot]
@@ -117,7 +118,7 @@ class Launcher:
             process.start()
         child_pipe.close()
         handoff = self.handoffs[slot] if self.handoffs is not None else None
-        return Launch(slot, process, parent_pipe, event, time.monotonic(), handoff)
+        return StartingWorker(slot, process, parent_pipe, event, time.monotonic(), handoff)
 
     @contextlib.contextmanager
     def recording_handoff(self, env: Upstream) -> Iterator[None]:
@@ -131,7 +132,7 @@ class Launcher:
             env.channels = channels
         self.handoffs = [recorder.first for recorder in recorders]
 
-    def install(self, env: Upstream, launch: Launch, channel: Any) -> None:
+    def install(self, env: Upstream, launch: StartingWorker, channel: Any) -> None:
         """Put ``launch`` (recorded by the supervisor as ``channel``) in the owner's lists and
         in those of every indexed view holding its slot (TorchRL >= 0.14 gives a view lists of
         its own, indexed by its position in the view)."""
@@ -216,7 +217,7 @@ def await_all(
     return lost, late
 
 
-def handshake(supervisor: WorkerSupervisor, launches: Collection[Launch], limit: float) -> set[int]:
+def handshake(supervisor: WorkerSupervisor, launches: Collection[StartingWorker], limit: float) -> set[int]:
     """TorchRL's handshake with every launch at once: each says it built its env, then is sent
     "init". Returns the slots lost meanwhile (``limit``: ``start_timeout``); the others are ready."""
     waits = {launch.slot: (lambda c=launch.channel: bool(c.poll(0))) for launch in launches}
@@ -224,13 +225,13 @@ def handshake(supervisor: WorkerSupervisor, launches: Collection[Launch], limit:
     since = {launch.slot: launch.launched_at for launch in launches}
     lost, late = await_all(supervisor, waits, limit, channels, since)
     for launch in launches:
-        if launch.slot not in lost and not greet(launch, limit):
+        if launch.slot not in lost and not finish_handshake(launch, limit):
             supervisor.wait_handled(launch.slot, LOSS_WAIT)
             lost.add(launch.slot)
     return late
 
 
-def greet(launch: Launch, limit: float) -> bool:
+def finish_handshake(launch: StartingWorker, limit: float) -> bool:
     """The end of TorchRL's handshake with one launch whose first answer is in its pipe: read
     it ("started"; or its specs, then :func:`hand_off`), send "init"; ``launch`` is then
     ``ready``. False if it died while building its env (EOF), or failed the hand-off."""
@@ -244,7 +245,7 @@ def greet(launch: Launch, limit: float) -> bool:
     return True
 
 
-def hand_off(launch: Launch, limit: float) -> bool:
+def hand_off(launch: StartingWorker, limit: float) -> bool:
     """TorchRL >= 0.15's metadata path (#4341), for one launch whose specs are in its pipe:
     send it its slot's shared buffers as the start did, and read its "started" (``limit``
     seconds at most: a worker silent that long is killed). False if it failed on the way."""
@@ -267,7 +268,7 @@ def hand_off(launch: Launch, limit: float) -> bool:
         return False
 
 
-def send_seed(launch: Launch, seed: int, static: bool) -> None:
+def send_seed(launch: StartingWorker, seed: int, static: bool) -> None:
     """Seed ``launch`` as TorchRL's ``set_seed`` does; its answer is ``("seeded", next seed)``."""
     launch.channel.send(("seed", (seed, static)))
 
@@ -281,7 +282,9 @@ def read_answer(channel: Any) -> bool:
     return True
 
 
-def seed_all(supervisor: WorkerSupervisor, seeds: dict[int, tuple[Launch, int, bool]], limit: float) -> None:
+def seed_all(
+    supervisor: WorkerSupervisor, seeds: dict[int, tuple[StartingWorker, int, bool]], limit: float
+) -> None:
     """Seed each launch (``slot -> (launch, seed, static_seed)``) as TorchRL's ``set_seed`` does
     (``torch.manual_seed`` and the env's ``set_seed`` in the worker), all sent first."""
     for launch, seed, static in seeds.values():
@@ -327,7 +330,7 @@ def await_answers(supervisor: WorkerSupervisor, env: Upstream, slots: list[int],
 
 
 def reset_all(
-    supervisor: WorkerSupervisor, env: Upstream, launches: Collection[Launch], limit: float
+    supervisor: WorkerSupervisor, env: Upstream, launches: Collection[StartingWorker], limit: float
 ) -> None:
     """Reset each launch's env (no input, no kwargs), all sent first; a launch lost meanwhile
     is no longer ``ready``."""
