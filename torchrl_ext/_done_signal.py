@@ -33,9 +33,20 @@ import os
 import select
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["DEFAULT_SPIN", "Answers", "DoneSignal", "NotifyingFlags", "has_spare_core", "timeout_error"]
+__all__ = [
+    "DEFAULT_SPIN",
+    "Answers",
+    "DoneSignal",
+    "NotifyingFlags",
+    "Outcome",
+    "has_spare_core",
+    "timeout_error",
+]
+
+#: How a wait for answers ended: all answered; stopped by its check (a loss); past its limit.
+Outcome = Literal["answered", "stopped", "late"]
 
 #: Longest sleep between checks of the deadline and of worker health.
 _SLICE = 0.5
@@ -112,14 +123,16 @@ class DoneSignal:
         indices: Sequence[int],
         timeout: float,
         spin: float,
-        check: Callable[[], None],
-        on_timeout: Callable[[], None] | None = None,
-    ) -> None:
-        """Return once ``flags[i]`` is set for every ``i`` in ``indices``, clearing them.
+        check: Callable[[], object],
+        late: Literal["raise", "return"] = "raise",
+    ) -> Outcome:
+        """Wait until ``flags[i]`` is set for every ``i`` in ``indices``, clear them, and return
+        ``"answered"``.
 
-        ``check`` runs before each sleep and may raise (a dead worker). Once ``timeout``
-        seconds have passed, ``on_timeout`` runs (it must raise) or, without one, a
-        ``RuntimeError`` like TorchRL's own loop's is raised.
+        ``check`` runs before each sleep: it may raise (a dead worker's error), and a true
+        result ends the wait (``"stopped"``; the flags are left as they are). Once ``timeout``
+        seconds have passed, a ``RuntimeError`` like TorchRL's own loop's is raised, or with
+        ``late="return"``, ``"late"`` is returned.
         """
         start = time.perf_counter()
         expected = self.typical_wait
@@ -136,7 +149,7 @@ class DoneSignal:
                         pass
                 if self._spin(flags, indices, time.perf_counter() + spin):
                     self._record(start)
-                    return
+                    return "answered"
             elif self.spin_hits >= 0.5 or self._waits_since_spin >= _PROBE_EVERY:
                 # Spin while spinning pays (the result came within ``spin``), and now and then
                 # to find out whether it pays again.
@@ -144,19 +157,21 @@ class DoneSignal:
                 hit = self._spin(flags, indices, start + spin)
                 # Where nearly every result comes within ``spin``, a late one is a scheduling
                 # hiccup: spin a little longer rather than pay a wake-up (still a miss).
-                late = (
+                overran = (
                     not hit
                     and self.spin_hits >= _STEADY
                     and self._spin(flags, indices, start + _LATE_FACTOR * spin)
                 )
                 self.spin_hits += _ALPHA * (float(hit) - self.spin_hits)
-                if hit or late:
+                if hit or overran:
                     self._record(start)
-                    return
+                    return "answered"
             else:
                 self._waits_since_spin += 1
-        self._sleep_until_done(flags, indices, timeout, check, on_timeout)
-        self._record(start)
+        outcome = self._sleep_until_done(flags, indices, timeout, check, late)
+        if outcome == "answered":
+            self._record(start)
+        return outcome
 
     @staticmethod
     def _spin(flags: Any, indices: Sequence[int], until: float) -> bool:
@@ -184,9 +199,9 @@ class DoneSignal:
         flags: Any,
         indices: Sequence[int],
         timeout: float,
-        check: Callable[[], None],
-        on_timeout: Callable[[], None] | None,
-    ) -> None:
+        check: Callable[[], object],
+        late: Literal["raise", "return"],
+    ) -> Outcome:
         deadline = time.monotonic() + timeout
         sleep = _FIRST_SLEEP
         asleep = self._asleep
@@ -203,12 +218,13 @@ class DoneSignal:
                 if all(flags[i] for i in indices):
                     for i in indices:
                         flags[i] = 0
-                    return
-                check()
+                    return "answered"
+                if check():
+                    return "stopped"
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    if on_timeout is not None:
-                        on_timeout()
+                    if late == "return":
+                        return "late"
                     raise timeout_error(timeout)
                 try:
                     select.select([fd], [], [], min(remaining, sleep))
@@ -334,12 +350,13 @@ class Answers:
         slots: Sequence[int],
         deadline: float,
         timeout: float,
-        check: Callable[[], None],
-        on_timeout: Callable[[], None],
-    ) -> None:
-        """TorchRL < 0.11: wait until every slot's event is set, then clear them. ``check`` runs
-        between sleeps and may raise; past ``deadline`` (monotonic), ``on_timeout`` runs, then
-        TorchRL's own timeout error (``timeout`` seconds) is raised."""
+        check: Callable[[], object],
+        late: Literal["raise", "return"] = "raise",
+    ) -> Outcome:
+        """TorchRL < 0.11: wait until every slot's event is set, clear them, and return
+        ``"answered"``. ``check`` runs between sleeps, as for :meth:`DoneSignal.wait_for`; past
+        ``deadline`` (monotonic), TorchRL's own timeout error (``timeout`` seconds) is raised,
+        or with ``late="return"``, ``"late"`` is returned."""
         assert self.events is not None
         events = self.events
         pause = 1e-4
@@ -348,11 +365,13 @@ class Answers:
             if not waiting:
                 for slot in slots:
                     events[slot].clear()
-                return
-            check()
+                return "answered"
+            if check():
+                return "stopped"
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                on_timeout()
+                if late == "return":
+                    return "late"
                 raise timeout_error(timeout)
             events[waiting[0]].wait(min(pause, remaining))
             pause = min(2 * pause, _EVENT_SLICE)

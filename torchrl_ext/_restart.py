@@ -28,7 +28,7 @@ from . import _identity
 from ._channel import is_forwarded_call
 from ._compat import PER_START_KWARGS, Upstream, describe_factory
 from ._cpython import process_kwargs, process_target, set_process_kwargs
-from ._done_signal import Answers, DoneSignal
+from ._done_signal import Answers, DoneSignal, timeout_error
 from ._errors import WorkerDiedError, WorkerHungError, WorkerStartTimeoutError
 from ._intercept import is_worker_entry
 from ._marks import clear_marks, clear_root_marks, mark_transition
@@ -48,14 +48,6 @@ log = logging.getLogger("torchrl_ext")
 
 
 # --------------------------------------------------------------------------- the engine
-class _Lost(Exception):
-    """A worker was lost while the env waited (restarts on): handled by the wait loop."""
-
-
-class _Hung(Exception):
-    """The wait passed ``step_timeout``: handled by the wait loop."""
-
-
 class RestartEngine:
     """Everything one env does about lost workers: its own wait, the policy, the replacements,
     the marks, the indexed views. The env calls it; it calls the supervisor's operations.
@@ -202,50 +194,52 @@ class RestartEngine:
         step_timeout = self.options.step_timeout
         hang_at = None if step_timeout is None else time.monotonic() + step_timeout
 
-        def check() -> None:
+        def lost() -> bool:  # raises a failure that is not restarted
             supervisor.check()
-            if supervisor.has_losses:
-                raise _Lost
-
-        def on_timeout() -> None:
-            if hang_at is not None and time.monotonic() >= hang_at:
-                raise _Hung
+            return supervisor.has_losses
 
         waiting = slots  # the slots whose answer is still to be read (consumed when all are in)
         while True:
             deadline = pipe_deadline if hang_at is None else min(pipe_deadline, hang_at)
-            try:
-                if answers.flags is not None:
-                    left = max(0.0, deadline - time.monotonic())
-                    done.wait_for(answers.flags, waiting, left, self.options.spin, check, on_timeout)
-                else:
-                    answers.wait_events(waiting, deadline, pipe_timeout, check, on_timeout)
+            if answers.flags is not None:
+                timeout = max(0.0, deadline - time.monotonic())
+                outcome = done.wait_for(
+                    answers.flags, waiting, timeout, self.options.spin, lost, late="return"
+                )
+            else:
+                timeout = pipe_timeout
+                outcome = answers.wait_events(waiting, deadline, timeout, lost, late="return")
+            if outcome == "answered":
                 waiting = []
                 # A worker that answered and then died before this wait ended is lost in this
                 # call, whether or not the supervisor thread has run since: look once (one select).
                 supervisor.poll()
-                check()
-                if self.recycler.on:
-                    try:
-                        self.recycler.after_wait(env, supervisor, slots)
-                    finally:
-                        for record in self.recycler.take_finished():
-                            self.restarts.append(record)
-                            self.notify(record)
-                return
-            except _Lost:
-                if not waiting:  # every answer was read: only the replacements' are awaited
-                    waiting = [lost.index for lost in supervisor.losses() if lost.index in slots]
-                self.handle_losses(env, supervisor, in_flight=slots)
-            except _Hung:
+                if not lost():
+                    if self.recycler.on:
+                        self._after_wait(env, supervisor, slots)
+                    return
+                # Every answer was read: only the replacements' are awaited.
+                waiting = [loss.index for loss in supervisor.losses() if loss.index in slots]
+            elif outcome == "late":
+                if hang_at is None or time.monotonic() < hang_at:
+                    raise timeout_error(timeout)  # TorchRL's own wait's error
                 assert step_timeout is not None
                 for slot in waiting:
                     if not answers.answered(slot) and not supervisor.exit_noticed(slot):  # dead: lost already
                         supervisor.kill_hung(slot, step_timeout)
                         supervisor.wait_handled(slot, LOSS_WAIT)
-                self.handle_losses(env, supervisor, in_flight=slots)
+            self.handle_losses(env, supervisor, in_flight=slots)
             if step_timeout is not None:  # a replayed reset gets the whole timeout
                 hang_at = time.monotonic() + step_timeout
+
+    def _after_wait(self, env: Upstream, supervisor: WorkerSupervisor, slots: list[int]) -> None:
+        """The recycler's part once the answers are in; the swaps it finished are restarts."""
+        try:
+            self.recycler.after_wait(env, supervisor, slots)
+        finally:
+            for record in self.recycler.take_finished():
+                self.restarts.append(record)
+                self.notify(record)
 
     # ------------------------------------------------------------------ replacing
     def handle_losses(self, env: Upstream, supervisor: WorkerSupervisor, in_flight: Collection[int]) -> None:

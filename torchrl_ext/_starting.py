@@ -300,10 +300,6 @@ def seed_all(
             launch.ready = False
 
 
-class _Stop(Exception):
-    """A worker awaited is gone, or the wait passed its limit: the polling wait takes over."""
-
-
 def await_answers(supervisor: WorkerSupervisor, env: Upstream, slots: list[int], limit: float) -> set[int]:
     """Wait for the answers of ``slots`` (their done flags) as the env's own wait does, woken
     by the done signal the moment they answer; a slot whose worker dies or passes ``limit`` is
@@ -312,18 +308,15 @@ def await_answers(supervisor: WorkerSupervisor, env: Upstream, slots: list[int],
     answers = Answers(owner.done_flags, owner.events)
     if answers.flags is not None and slots:
 
-        def check() -> None:
-            if any(supervisor.is_gone(slot) for slot in slots):
-                raise _Stop
+        def gone() -> bool:
+            return any(supervisor.is_gone(slot) for slot in slots)
 
-        def stop() -> None:
-            raise _Stop
-
-        try:
-            supervisor.done_signal.wait_for(answers.flags, slots, limit, 0.0, check, stop)
+        if (
+            supervisor.done_signal.wait_for(answers.flags, slots, limit, 0.0, gone, late="return")
+            == "answered"
+        ):
             return set()
-        except _Stop:
-            pass  # some answered (their flags are set still): the polling wait sorts them out
+        # Stopped or late: some answered (their flags are set still): the polling wait sorts them out.
     waits: dict[int, Callable[..., bool]] = {slot: functools.partial(answers.take, slot) for slot in slots}
     lost, _late = await_all(supervisor, waits, limit)
     return lost
