@@ -19,7 +19,7 @@ from tests.envs import make_env
 from tests.polling import wait_until
 from torchrl_ext import ManagedParallelEnv, WorkerDiedError, _done_signal
 from torchrl_ext._compat import HAS_DAEMON_KWARG
-from torchrl_ext._done_signal import DoneSignal, NotifyingFlags
+from torchrl_ext._done_signal import Answers, DoneSignal, NotifyingFlags
 
 # TorchRL 0.10 has no shared done flags: its own event-based wait is kept there.
 needs_shared_flags = pytest.mark.skipif(not HAS_DAEMON_KWARG, reason="TorchRL < 0.11 has no shared flags")
@@ -180,6 +180,35 @@ def test_timeout_raises_like_torchrl(signal_: DoneSignal) -> None:
     raw = multiprocessing.RawArray("b", 1)
     with pytest.raises(RuntimeError, match="BATCHED_PIPE_TIMEOUT"):
         signal_.wait_for(raw, [0], timeout=0.01, spin=0.0, check=lambda: None)
+
+
+def test_the_wait_says_how_it_ended(signal_: DoneSignal) -> None:
+    """Answered (the flags cleared), stopped by a true check (the flags left as they are), or
+    late with late="return" (no error): a value, never an exception raised through the check."""
+    raw = multiprocessing.RawArray("b", 2)
+    raw[0] = raw[1] = 1
+    assert signal_.wait_for(raw, [0, 1], timeout=60.0, spin=0.0, check=lambda: False) == "answered"
+    assert list(raw) == [0, 0]
+    raw[0] = 1
+    assert signal_.wait_for(raw, [0, 1], timeout=60.0, spin=0.0, check=lambda: True) == "stopped"
+    assert list(raw) == [1, 0], "a stopped wait clears no flag: the caller reads who answered"
+    assert signal_.wait_for(raw, [1], timeout=0.01, spin=0.0, check=lambda: False, late="return") == "late"
+
+
+def test_the_event_wait_says_how_it_ended() -> None:
+    """TorchRL < 0.11's events: the same three endings as the flags' wait."""
+    events = [threading.Event(), threading.Event()]
+    answers = Answers(None, events)
+    events[0].set()
+    events[1].set()
+    assert answers.wait_events([0, 1], float("inf"), 60.0, lambda: False) == "answered"
+    assert not any(event.is_set() for event in events)
+    events[0].set()
+    assert answers.wait_events([0, 1], float("inf"), 60.0, lambda: True) == "stopped"
+    assert events[0].is_set() and not events[1].is_set()
+    assert answers.wait_events([1], 0.0, 0.01, lambda: False, late="return") == "late"
+    with pytest.raises(RuntimeError, match="BATCHED_PIPE_TIMEOUT"):
+        answers.wait_events([1], 0.0, 0.01, lambda: False)
 
 
 def test_notify_wakes_a_sleeper_that_then_rechecks(signal_: DoneSignal, no_polling: None) -> None:
