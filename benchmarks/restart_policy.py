@@ -290,7 +290,7 @@ def trial_reset_cost(spec: dict[str, Any]) -> dict[str, Any]:
     pids: set[int] = set()
     # Diagnostics only (private): whether a due slot's standby had built its env, and reset it
     # ahead (NOTE [prepared reset]: its answer read, or waiting in its pipe), before the call.
-    slots = env._state.engine.slots
+    slots = env._state.keeper.slots
     try:
         td = env.reset()
         out["start_method"] = env.start_method

@@ -46,7 +46,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ),
     ("supervision of processes", ["_record", "_stats", "_shutdown", "_succession", "_supervisor"]),
     ("the start plan and starting a worker", ["_plan", "_starting"]),
-    ("policies over slots", ["_slots", "_recycle", "_restart"]),
+    ("policies over slots", ["_slots", "_recycle", "_keeper"]),
     ("around each call, and the start sequence", ["_calls", "_start"]),
     ("the env", ["_env"]),
     ("the package and the command line", ["__init__", "_sweep", "_doctor", "__main__"]),

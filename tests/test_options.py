@@ -110,12 +110,12 @@ def test_the_step_timeout_of_the_issue() -> None:
 @pytest.mark.compat
 def test_an_assigned_shutdown_timeout_reaches_every_holder_of_the_options() -> None:
     """``env.shutdown_timeout = x`` (upstream's attribute, read at the next start) is what the
-    restart engine and the recycler (which bounds a retiring worker's close by it) use."""
+    slot keeper and the recycler (which bounds a retiring worker's close by it) use."""
     env = ManagedParallelEnv(1, make_env, daemon_workers=False, recycle_every=2)
     try:
         env.shutdown_timeout = 3.0
-        engine = env._state.engine
+        keeper = env._state.keeper
         assert env.shutdown_timeout == 3.0
-        assert engine.options.shutdown_timeout == engine.recycler.options.shutdown_timeout == 3.0
+        assert keeper.options.shutdown_timeout == keeper.recycler.options.shutdown_timeout == 3.0
     finally:
         env.close(raise_if_closed=False)

@@ -160,7 +160,7 @@ def test_a_replacement_is_seeded_from_the_env_seed_its_slot_and_incarnation(meth
     )
     try:
         env.set_seed(7)
-        slot_seed = env._state.engine.slots[1].seed[0]  # what set_seed sent slot 1
+        slot_seed = env._state.keeper.slots[1].seed[0]  # what set_seed sent slot 1
         td = env.reset()
         for incarnation in (1, 2):
             torch.manual_seed(1000 + incarnation)  # a forked replacement would inherit this

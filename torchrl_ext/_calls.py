@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._compat import Upstream
-from ._restart import raise_failure
+from ._keeper import raise_failure
 from ._stats import RESET, STEP_AND_MAYBE_RESET, EpisodeEnds
 from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor
 
@@ -26,8 +26,8 @@ def check_failed(env: Any) -> WorkerSupervisor | None:
         failure = supervisor.failure()
         if failure is not None:
             raise_failure(failure)
-        if state.engine.pending(supervisor):
-            state.engine.between_calls(Upstream(env), supervisor)
+        if state.keeper.pending(supervisor):
+            state.keeper.between_calls(Upstream(env), supervisor)
     return supervisor
 
 
@@ -77,7 +77,7 @@ def _wait(env: Any, workers_range: Any, upstream_wait: Callable[[Any], None]) ->
     supervisor = state.supervisor
     upstream = Upstream(env)
     if supervisor is not None and state.options.supervised_wait:
-        state.engine.wait(upstream, supervisor, workers_range, supervisor.done_signal)
+        state.keeper.wait(upstream, supervisor, workers_range, supervisor.done_signal)
         return
     flags = upstream.done_flags
     if supervisor is None or flags is None or not upstream.use_buffers or state.options.spin == float("inf"):
@@ -119,17 +119,17 @@ def seeded(env: Any, set_seed: Callable[[], Any]) -> Any:
     """``set_seed`` (TorchRL's, bound to its arguments); a worker lost while seeding is replaced
     and every worker seeded again; the seeds are remembered for later replacements."""
     supervisor = check_failed(env)
-    engine = env._state.engine
+    keeper = env._state.keeper
     try:
         try:
             return set_seed()
         except Exception as err:
-            if supervisor is not None and engine.replaced_after(Upstream(env), supervisor, err):
+            if supervisor is not None and keeper.replaced_after(Upstream(env), supervisor, err):
                 return set_seed()
             translate(env, err, supervisor)
             raise
     finally:
-        engine.remember_seeds(Upstream(env))
+        keeper.remember_seeds(Upstream(env))
 
 
 def loaded(env: Any, load_state_dict: Callable[[], Any]) -> None:

@@ -3,7 +3,7 @@
 It remembers the last command sent (every error names it), and turns a read that finds the
 worker gone into the worker's own failure. With restarts on, a send to a lost worker does not
 raise, the last message is kept for a replay, answers still owed are counted and can be
-drained, and the restart engine may handle a command itself instead of sending it (``hook``).
+drained, and the slot keeper may handle a command itself instead of sending it (``hook``).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class RestartableChannel(ParentChannel):
     def __init__(self, conn: Any) -> None:
         super().__init__(conn)
         self.last_message: Any = None
-        #: The slot's send hook, set by the restart engine while its policies may handle a
+        #: The slot's send hook, set by the slot keeper while its policies may handle a
         #: command (recycling on, or a mark owed); cleared by it, or when the channel is
         #: replaced. Returns ``None`` (send as is) or ``(channel, message)``: ``message`` to send
         #: instead (``None``: nothing is sent) on ``channel`` (``None``: this one).

@@ -170,7 +170,7 @@ INVENTORY: tuple[Internal, ...] = (
            "--multiprocessing-fork", "'--multiprocessing-fork'"),
     _entry("multiprocessing.popen_spawn_posix:Popen._launch", _S, "spawns through spawnv_passfds", "",
            "spawnv_passfds", "multiprocessing.popen_spawn_posix.Popen"),
-    # ---- process objects (_restart, _env, _worker, _supervisor)
+    # ---- process objects (_keeper, _env, _worker, _supervisor)
     _entry("multiprocessing.process:BaseProcess._config", _I, "copied per restart; daemon flag (_worker)"),
     _entry("multiprocessing.process:BaseProcess._popen", _I, "reset per restart; tells a forkserver child"),
     _entry("multiprocessing.process:BaseProcess._closed", _I, "reset per restart"),

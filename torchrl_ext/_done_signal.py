@@ -303,7 +303,7 @@ _EVENT_SLICE = 0.02
 class Answers:
     """ "Has slot i answered?": TorchRL >= 0.11's shared done flags, or 0.10's per-worker events.
 
-    The one view every wait of a managed env reads (the done signal's, the restart engine's,
+    The one view every wait of a managed env reads (the done signal's, the slot keeper's,
     the hang check's). ``flags`` is the shared array (``None`` on TorchRL 0.10).
 
     Example:

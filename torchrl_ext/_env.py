@@ -214,7 +214,7 @@ class ManagedParallelEnv(ParallelEnv):
         if state is not None:
             state.options = dataclasses.replace(state.options, shutdown_timeout=float(value))
             # Read at the next start, as upstream's (its _start_workers copies it to _timeout).
-            state.engine.options = state.engine.recycler.options = state.options
+            state.keeper.options = state.keeper.recycler.options = state.options
 
     @property
     def supervision_report(self) -> SupervisionReport | None:
@@ -230,7 +230,7 @@ class ManagedParallelEnv(ParallelEnv):
     @property
     def restarts(self) -> list[RestartRecord]:
         """Every worker restart of this env so far, oldest first (see ``max_restarts``)."""
-        return list(self._state.engine.restarts)
+        return list(self._state.keeper.restarts)
 
     def stats(
         self, *, workers: StatsView | bool = "aggregate", reset: bool = False
@@ -280,7 +280,7 @@ class ManagedParallelEnv(ParallelEnv):
             state.stats,
             num_workers=int(self.num_workers),
             alive=alive,
-            restarts=list(state.engine.restarts),
+            restarts=list(state.keeper.restarts),
             view=view,
             reset=reset,
         )
@@ -288,10 +288,10 @@ class ManagedParallelEnv(ParallelEnv):
     def _set_properties(self) -> None:
         super()._set_properties()
         state: EnvState | None = self.__dict__.get("_managed_state")
-        if state is not None and state.engine.on:
+        if state is not None and state.keeper.on:
             added = add_restart_keys(self)
             if Upstream(self).owns_workers:  # a view's keys are its owner's
-                state.engine.mark_keys = added
+                state.keeper.mark_keys = added
 
     # ------------------------------------------------------------------ start
     def _start_workers(self) -> None:
@@ -300,7 +300,7 @@ class ManagedParallelEnv(ParallelEnv):
     def _send_worker_buffers(self) -> None:
         """TorchRL >= 0.15 (#4341) hands each worker that sent its specs the shared buffers;
         what it sent is recorded, so that a replacement gets the same hand-off."""
-        with self._state.engine.starter.recording_handoff(Upstream(self)):
+        with self._state.keeper.starter.recording_handoff(Upstream(self)):
             super()._send_worker_buffers()  # type: ignore[misc,unused-ignore]
 
     def _cleanup_failed_worker_startup(self) -> None:
@@ -309,7 +309,7 @@ class ManagedParallelEnv(ParallelEnv):
     def _make_batched_view(self, indices: Sequence[int]) -> Any:
         """TorchRL >= 0.14 indexing: a view, remembered so that restarts reach its lists."""
         view = super()._make_batched_view(indices)
-        self._state.engine.remember_view(view)
+        self._state.keeper.remember_view(view)
         return view
 
     # ------------------------------------------------------------------ calls (_calls)
@@ -318,7 +318,7 @@ class ManagedParallelEnv(ParallelEnv):
 
     def _reset(self, tensordict: Any, **kwargs: Any) -> Any:
         out = _calls.measured(self, RESET, functools.partial(super()._reset, **kwargs), tensordict)
-        self._state.engine.after_reset(Upstream(self), out)
+        self._state.keeper.after_reset(Upstream(self), out)
         return out
 
     def _step(self, tensordict: Any) -> Any:

@@ -1,7 +1,7 @@
-"""What the restart engine decides by: the record of a restart, the budget, the backoff, which
+"""What the slot keeper decides by: the record of a restart, the budget, the backoff, which
 env errors restart a slot, a replacement's seed, and the memory sizes ``recycle_memory`` takes.
 
-Pure bookkeeping (no process is touched here); :mod:`._restart` and :mod:`._recycle` act on it.
+Pure bookkeeping (no process is touched here); :mod:`._keeper` and :mod:`._recycle` act on it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ reused pid) and whether it is still running (:meth:`WorkerRecord.gone`).
 
 Fields and who may change them: the supervisor creates a record when a worker is attached or
 replaced; its watcher thread (or a synchronous poll) sets ``finished``, ``lost_at``, ``exitcode``,
-``descendants_killed`` and ``failure``, then ``handled``, once per record; the restart engine
+``descendants_killed`` and ``failure``, then ``handled``, once per record; the slot keeper
 sets ``hung`` and ``hang_timeout`` (through ``WorkerSupervisor.kill_hung``) before the kill;
 ``descendants`` is replaced as a whole by the snapshot (readers never see it change size).
 A :class:`TreeSample` is the worker's tree (memory, descendants, descriptors) at one moment.
@@ -80,7 +80,7 @@ def sample_tree(
 
 @dataclass(frozen=True)
 class Loss:
-    """A lost worker as the restart engine sees it: a snapshot, taken once its exit was handled."""
+    """A lost worker as the slot keeper sees it: a snapshot, taken once its exit was handled."""
 
     index: int
     pid: int

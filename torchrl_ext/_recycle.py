@@ -72,7 +72,7 @@ class Recycler:
     is the slots' (``_slots.Slot``: ``episodes``, ``due``, ``standby``, ``prepared``, ...).
 
     Fields (the env's calling thread only): ``finished`` holds the records of swaps whose new
-    worker answered its first reset, until the engine takes them (:meth:`take_finished`);
+    worker answered its first reset, until the keeper takes them (:meth:`take_finished`);
     ``_seen_samples`` the supervisor's last memory sample looked at; ``_warned_rss`` whether
     this env warned that RSS is its measure (once).
     """

@@ -3,7 +3,7 @@
 A slot is a position in TorchRL's by-position lists (``workers``, ``channels``, ``events``,
 the shared buffers). Its processes belong to the supervisor (``_supervisor``, ``_succession``);
 what the env's policies remember about the slot, across the workers that hold it in turn, is
-one :class:`Slot`: the restart engine (``_restart``) and the recycler (``_recycle``) read and
+one :class:`Slot`: the slot keeper (``_keeper``) and the recycler (``_recycle``) read and
 write it, on the env's calling thread only. :meth:`Slot.next_seed` is the one place a new
 worker of the slot is counted and seeded, :meth:`Slot.new_worker` the one place its
 per-worker counts start over, :meth:`Slot.end_recycling` the one place its recycling ends.
@@ -50,19 +50,19 @@ class Slot:
     """What the env's policies remember about slot ``index``. Each field: its invariant; who writes it."""
 
     index: int
-    # --- restarts (the engine)
-    #: The last ``(seed, static_seed)`` ``set_seed`` sent the slot; ``None``: never seeded. The engine.
+    # --- restarts (the keeper)
+    #: The last ``(seed, static_seed)`` ``set_seed`` sent the slot; ``None``: never seeded. The keeper.
     seed: tuple[int, bool] | None = None
     #: How many workers replaced the slot's first; only grows. :meth:`next_seed`.
     incarnation: int = 0
-    #: Its ``"next"`` holds a restart's mark, cleared at the next call. The engine.
+    #: Its ``"next"`` holds a restart's mark, cleared at the next call. The keeper.
     marked: bool = False
-    #: Its replacement's first reset observation, kept until its mark is written. The engine.
+    #: Its replacement's first reset observation, kept until its mark is written. The keeper.
     fresh_obs: Any = None
     #: Its worker, a replacement lost between calls, owes it a marked transition: its next step
-    #: is answered by the mark (the send hook). Set by the engine; cleared at that step or reset.
+    #: is answered by the mark (the send hook). Set by the keeper; cleared at that step or reset.
     owes_mark: bool = False
-    #: ``(pid, factory)`` of a replacement killed for passing ``start_timeout``. The engine.
+    #: ``(pid, factory)`` of a replacement killed for passing ``start_timeout``. The keeper.
     start_timed_out: tuple[int, str] | None = None
     # --- recycling (the recycler); :meth:`end_recycling` resets them all
     #: Resets of the slot's current worker; 0 when a worker takes the slot (:meth:`new_worker`).

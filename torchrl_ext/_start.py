@@ -32,10 +32,10 @@ from ._intercept import (
     managed_worker_targets,
     worker_context,
 )
+from ._keeper import SlotKeeper, raise_failure
 from ._options import Options
 from ._plan import StartPlan
 from ._report import SupervisionReport
-from ._restart import RestartEngine, raise_failure
 from ._stats import EnvStats
 from ._supervisor import WorkerSupervisor
 from ._tag import new_env_tag, tagged_spawns
@@ -51,7 +51,7 @@ class EnvState:
     """One env's own state, kept in one ``__dict__`` entry (see the ``__getattr__`` trap).
 
     Fields and who changes them: ``options`` (the shutdown_timeout setter replaces them);
-    ``preload_modules`` (fixed at construction); ``engine`` (lives as long as the env: its
+    ``preload_modules`` (fixed at construction); ``keeper`` (lives as long as the env: its
     restart records span starts); ``supervisor`` and ``worker_pids`` (set by
     :func:`start_workers`, cleared by the close); ``report``, ``closing`` and ``close_reason``
     (the close). A pickled env carries only its options.
@@ -59,8 +59,8 @@ class EnvState:
 
     options: Options
     preload_modules: tuple[str, ...] | None
-    engine: RestartEngine = field(init=False)
-    #: What ``stats()`` reads besides ``engine.restarts``: lives as long as the env.
+    keeper: SlotKeeper = field(init=False)
+    #: What ``stats()`` reads besides ``keeper.restarts``: lives as long as the env.
     stats: EnvStats = field(default_factory=EnvStats)
     supervisor: WorkerSupervisor | None = None
     report: SupervisionReport | None = None
@@ -69,8 +69,8 @@ class EnvState:
     worker_pids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.engine = RestartEngine(self.options)
-        self.stats.restarts = self.engine.restarts
+        self.keeper = SlotKeeper(self.options)
+        self.stats.restarts = self.keeper.restarts
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A copy (a collector worker's) starts its workers by TorchRL's start method, decided
@@ -86,8 +86,8 @@ def start_workers(env: Any, state: EnvState, start_upstream: Callable[[], None])
             _start_once(env, state, start_upstream)
             return
         except WorkerStartTimeoutError as err:
-            engine = state.engine
-            if not engine.on or not engine.budget.allows(time.monotonic()):
+            keeper = state.keeper
+            if not keeper.on or not keeper.budget.allows(time.monotonic()):
                 raise
             log.warning("%s; starting all workers again (max_restarts=%d)", err, state.options.max_restarts)
 
@@ -163,7 +163,7 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
     tag = new_env_tag()
     label = f"ManagedParallelEnv[{tag.env_id}]"
     fifo = _reaper_client.acquire()
-    engine = state.engine
+    keeper = state.keeper
     supervisor = WorkerSupervisor(
         tag,
         options.shutdown_timeout,
@@ -204,7 +204,7 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
             managed_worker_targets(),
             worker_context(env, plan.context),
             tagged_spawns(tag),
-            engine.recording() as started,
+            keeper.recording() as started,
             watch,
         ):
             start_upstream()
@@ -221,14 +221,14 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
     try:
         if check_after:
             _check_restartable(upstream, resolved_by_torchrl=True)
-        engine.adopt(started, len(processes), plan, fifo)
+        keeper.adopt(started, len(processes), plan, fifo)
     except (RuntimeError, ValueError) as err:
         abort_start(env, supervisor, err, options.shutdown_timeout)
         raise
     # Losses (not failures) from here on: the start succeeded (a failed one reports deaths).
-    supervisor.enable_restarts(engine.on, replaceable=options.replaceable_workers)
+    supervisor.enable_restarts(keeper.on, replaceable=options.replaceable_workers)
     upstream.channels = supervisor.attach(processes, upstream.channels)
-    engine.attached(env, supervisor)
+    keeper.attached(env, supervisor)
     upstream.workers = SupervisedWorkers(processes, supervisor.check)
     supervisor.done_signal.spare_core = has_spare_core(len(processes))
     state.worker_pids = [p.pid for p in processes]
@@ -326,7 +326,7 @@ def stop_workers(env: Any, state: EnvState) -> None:
         if upstream.use_buffers:
             upstream.drop_buffers()
         state.stats.calls.ends = None  # it may hold views of the buffers
-        state.engine.forget()
+        state.keeper.forget()
         release_workers(env)
     log.debug("%s", state.report)
 

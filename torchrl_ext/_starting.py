@@ -1,7 +1,7 @@
 """Starting workers in place of others: from the slot's recorded process, on fresh pipes, with
 every handshake, seed and reset of one round sent first and awaited together.
 
-The restart engine (``_restart``) replaces lost workers with it; the recycler (``_recycle``)
+The slot keeper (``_keeper``) replaces lost workers with it; the recycler (``_recycle``)
 starts a slot's next worker ahead of time with it. A :class:`StartingWorker` is one such
 process from its start until it answers its first command; the :class:`WorkerStarter` holds what
 every start needs (the templates recorded at the env's start, how it started, the reaper's
@@ -54,7 +54,7 @@ LOSS_WAIT = 10.0
 
 @dataclass(eq=False)
 class StartingWorker:
-    """One worker started for ``slot`` (fields set by :class:`WorkerStarter`, then by the engine)."""
+    """One worker started for ``slot`` (fields set by :class:`WorkerStarter`, then by the keeper)."""
 
     slot: int
     process: Any
@@ -75,7 +75,7 @@ class WorkerStarter:
     """Starts copies of the slots' recorded worker processes and installs them in the env.
 
     Fields and who changes them (the env's calling thread only): ``templates``, ``plan`` and
-    ``fifo`` are set at each start (the engine's ``adopt``), ``handoffs`` during it, and all
+    ``fifo`` are set at each start (the keeper's ``adopt``), ``handoffs`` during it, and all
     are dropped at close (:meth:`forget`);
     ``views`` holds weak references to the indexed views whose lists must follow a slot.
     """

@@ -15,7 +15,7 @@ Where each number comes from::
                            recycle_memory, USS also of each tree whose RSS is over it, at
                            most WATCH_SHARE of the thread's time
                            LossCounts: deaths, hangs and env errors seen
-    RestartEngine      ──► env.restarts: restarts by cause, time of the last one
+    SlotKeeper         ──► env.restarts: restarts by cause, time of the last one
     stats() (any thread) ──► snapshot(): reads all of the above, takes no lock of theirs
 
 Every field below states who writes it; readers in other threads only ever see a whole value
@@ -362,7 +362,7 @@ class EnvStats:
     #: Serializes ``stats(reset=True)`` callers (the calling thread's counters are read, then
     #: cleared, by one reader at a time).
     reading: threading.Lock = field(default_factory=threading.Lock)
-    #: The restart engine's records (append-only; the same list, set with the engine).
+    #: The slot keeper's records (append-only; the same list, set with the keeper).
     restarts: list[Any] = field(default_factory=list)
     #: Set by each start's supervisor (:meth:`bind`): its label, and where ``python -m
     #: torchrl_ext status`` reads this env (in the start's report directory).

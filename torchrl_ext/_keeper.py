@@ -1,14 +1,15 @@
-"""Restarting a lost worker's slot: the engine, its wait, its marks.
+"""Keeping every slot served: the env's own wait, restarts of lost workers, their marks.
 
-What ``ManagedParallelEnv`` does when a worker is lost with ``max_restarts > 0`` (see
+Every env has one :class:`SlotKeeper`; it acts when restarts, ``step_timeout`` or recycling
+are on. What ``ManagedParallelEnv`` does when a worker is lost with ``max_restarts > 0`` (see
 docs/restarts.md and the data flow in docs/design.md): the supervisor has already killed and
-reaped the worker's tree and recorded the loss; :class:`RestartEngine`, on the env's calling
+reaped the worker's tree and recorded the loss; :class:`SlotKeeper`, on the env's calling
 thread, checks the policy (``_policy``: budget, backoff, which env errors restart), starts a
 copy of each lost slot's original ``multiprocessing.Process`` on fresh pipes (``_starting``:
 all lost slots at once, their handshakes awaited together, each seeded from the env's seed),
 puts it in the owner's and every view's lists, and then either replays an in-flight reset, or
 resets the new env and writes the marked transition (``_marks``), or, lost between calls, takes
-the slot's next step command and answers it with the mark. The engine also owns the env's own
+the slot's next step command and answers it with the mark. The keeper also owns the env's own
 wait (restarts, ``step_timeout``, recycling), which is where losses and hangs are noticed
 mid-call, and hands episode boundaries to the recycler (``_recycle``).
 """
@@ -42,19 +43,20 @@ from ._starting import LOSS_WAIT, StartingWorker, WorkerStarter, handshake, rese
 from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor
 from ._templates import recording_starts
 
-__all__ = ["RestartEngine", "RestartRecord", "raise_failure"]
+__all__ = ["RestartRecord", "SlotKeeper", "raise_failure"]
 
 log = logging.getLogger("torchrl_ext")
 
 
-# --------------------------------------------------------------------------- the engine
-class RestartEngine:
-    """Everything one env does about lost workers: its own wait, the policy, the replacements,
-    the marks, the indexed views. The env calls it; it calls the supervisor's operations.
+# --------------------------------------------------------------------------- the keeper
+class SlotKeeper:
+    """Everything one env does to keep each slot served by a live worker: its own wait (where
+    losses and hangs are noticed), the restart policy, the replacements, the marks, the send
+    hooks, recycling's boundaries. The env calls it; it calls the supervisor's operations.
 
     Fields and who changes them (the env's calling thread only, never the watcher):
     ``restarts`` grows by one record per replacement or recycling (never shrinks); ``slots``
-    holds what the engine and the recycler remember per slot (``_slots.Slot``: its seed,
+    holds what the keeper and the recycler remember per slot (``_slots.Slot``: its seed,
     incarnation, mark, ...); ``starter`` holds the templates and the plan, set by
     :meth:`adopt` at each start and dropped by :meth:`forget`; ``mark_keys`` is set once the
     specs are known.
