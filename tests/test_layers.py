@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "the worker side and process starting",
         ["_worker", "_intercept", "_forkserver", "_metadata", "_lifecycle"],
     ),
-    ("supervision of processes", ["_record", "_stats", "_shutdown", "_succession", "_supervisor"]),
+    ("supervision of processes", ["_record", "_stats", "_shutdown", "_handover", "_supervisor"]),
     ("the start plan and starting a worker", ["_plan", "_starting"]),
     ("policies over slots", ["_slots", "_recycle", "_keeper"]),
     ("around each call, and the start sequence", ["_calls", "_start"]),

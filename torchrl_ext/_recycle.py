@@ -180,7 +180,7 @@ class Recycler:
                         launch.ready = False
                         break
                 return True
-            if supervisor.succession.gone(slot.index):
+            if supervisor.handovers.gone(slot.index):
                 break
             if time.monotonic() >= deadline:
                 late = f"start_timeout={limit:g}s"
@@ -214,7 +214,7 @@ class Recycler:
             return False
         deadline = time.monotonic() + self.options.answer_limit(env.pipe_timeout)
         while not launch.channel.poll(0):
-            if supervisor.succession.gone(slot.index):
+            if supervisor.handovers.gone(slot.index):
                 self._drop(supervisor, slot, _PREPARE)
                 return False
             if time.monotonic() >= deadline:
@@ -242,7 +242,7 @@ class Recycler:
         if late is not None:
             why = f"it did not {phase} within {late}"
         else:
-            code = supervisor.succession.exitcode(slot.index)
+            code = supervisor.handovers.exitcode(slot.index)
             why = f"it exited with exit code {format_exitcode(code)} before it could {phase}"
         log.warning(
             "%s could not start slot %d's next worker (pid %s) for recycling: %s; its current "
@@ -257,7 +257,7 @@ class Recycler:
     def _forget_standby(self, supervisor: WorkerSupervisor, slot: Slot) -> None:
         """The slot's standby, if any, is killed and forgotten."""
         if slot.drop_standby() is not None:
-            supervisor.succession.discard(slot.index)
+            supervisor.handovers.discard(slot.index)
 
     # ------------------------------------------------------------------ boundaries
     def route(self, env: Upstream, supervisor: WorkerSupervisor, index: int, message: Any) -> Any:

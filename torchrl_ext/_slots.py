@@ -1,7 +1,7 @@
 """One record per worker slot: what restarts and recycling remember about it.
 
 A slot is a position in TorchRL's by-position lists (``workers``, ``channels``, ``events``,
-the shared buffers). Its processes belong to the supervisor (``_supervisor``, ``_succession``);
+the shared buffers). Its processes belong to the supervisor (``_supervisor``, ``_handover``);
 what the env's policies remember about the slot, across the workers that hold it in turn, is
 one :class:`Slot`: the slot keeper (``_keeper``) and the recycler (``_recycle``) read and
 write it, on the env's calling thread only. :meth:`Slot.next_seed` is the one place a new

@@ -13,7 +13,7 @@ the one failure query (:meth:`WorkerSupervisor.failure`), the pending losses
 (:meth:`~WorkerSupervisor.losses`), waiting until a loss is handled
 (:meth:`~WorkerSupervisor.wait_handled`), replacing a slot's worker, killing a hung one (its
 stacks first, ``_stacks``), giving up (:meth:`~WorkerSupervisor.give_up`), and, for recycling,
-a slot's standby and retiring workers (``_succession``).
+a slot's standby and retiring workers (``_handover``).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from . import _identity, _reaper_client, _stacks
 from ._channel import ParentChannel, RestartableChannel
 from ._done_signal import DoneSignal
 from ._errors import WorkerDiedError, WorkerHungError, format_exitcode
+from ._handover import Handovers
 from ._record import Loss, TreeSample, WorkerRecord, startup_failure
 from ._report import SupervisionReport, WorkerOutcome
 from ._shutdown import close_workers
 from ._stats import EnvStats
-from ._succession import Succession
 from ._tag import Tag
 from ._wait import Late, wait_for
 from ._watcher import Round, Watcher
@@ -98,7 +98,7 @@ class WorkerSupervisor:
         self.lost: list[WorkerRecord] = []
         self.restarts = 0
         #: Recycling (``_recycle``): the slots' standby and retiring workers.
-        self.succession = Succession(label, self._lock, self._watcher.retire_fd)
+        self.handovers = Handovers(label, self._lock, self._watcher.retire_fd)
 
     # ------------------------------------------------------------------ set-up
     def enable_restarts(self, on: bool, replaceable: bool = False) -> None:
@@ -189,7 +189,7 @@ class WorkerSupervisor:
         """Record ``process`` (started) as slot ``index``'s next worker; returns its channel."""
         with self._lock:
             worker = self._record(index, process, channel)
-            self.succession.standby[index] = worker
+            self.handovers.standby[index] = worker
         return worker.channel
 
     def sample_tree(self, index: int, smaps: bool) -> TreeSample | None:
@@ -201,11 +201,11 @@ class WorkerSupervisor:
         by the caller, and killed with its tree if it has not exited ``close_within`` seconds
         from now). Returns the new channel and the old one."""
         with self._lock:
-            new = self.succession.standby.pop(index)
+            new = self.handovers.standby.pop(index)
             position = next(i for i, w in enumerate(self._workers) if w.index == index)
             old = self._workers[position]
             self._workers[position] = new
-            self.succession.retiring.append((old, time.monotonic() + close_within))
+            self.handovers.retiring.append((old, time.monotonic() + close_within))
         self._watcher.wake()
         return new.channel, old.channel
 
@@ -251,9 +251,9 @@ class WorkerSupervisor:
     # ------------------------------------------------------------------ watching
     def _plan_round(self) -> Round:
         """The watcher's next round (under the lock): the current workers' exits and the
-        retiring workers (``_succession``), then the snapshot."""
+        retiring workers (``_handover``), then the snapshot."""
         pending = {w.sentinel: w for w in self._workers if not w.finished}
-        retiring = self.succession.sentinels()
+        retiring = self.handovers.sentinels()
         polled = [w for w in pending.values() if w.pidfd is None]
         # Without pidfds (macOS, old kernels) a sentinel can stay open after the worker died
         # (forked grandchildren inherit it), so those workers are also polled.
@@ -261,7 +261,7 @@ class WorkerSupervisor:
 
         def handle(ready: list[int]) -> None:
             if retiring:
-                self.succession.watch([fd for fd in ready if fd in retiring])
+                self.handovers.watch([fd for fd in ready if fd in retiring])
             for fd in ready:
                 if fd in pending:
                     self._on_exit(pending[fd])
@@ -276,7 +276,7 @@ class WorkerSupervisor:
         """Refresh each live worker's descendants; sample their trees for ``stats()`` if due."""
         with self._lock:
             live = [w for w in self._workers if not w.finished]
-            standby = list(self.succession.standby.values())
+            standby = list(self.handovers.standby.values())
         for worker in live + standby:  # a standby's descendants too: they die with it
             worker.refresh()
         if self.stats is not None:
@@ -452,7 +452,7 @@ class WorkerSupervisor:
         with self._lock:
             self._closing = True
             workers = list(self._workers)
-        self.succession.end_all()
+        self.handovers.end_all()
         outcome, swept = close_workers(workers, self._tree_of, self.label, reason, t0, timeout)
         self.stop(deadline=t0 + timeout)
         return SupervisionReport(

@@ -1,8 +1,9 @@
-"""The workers of a slot that are not its current one: the next, started ahead of its turn
-(a *standby*, see ``_recycle``), and those recycled out, closing (*retiring*).
+"""Handing a slot over from one worker to the next (recycling): the workers of a slot that are
+not its current one, the next, started ahead of its turn (a *standby*, see ``_recycle``), and
+those recycled out, closing (*retiring*).
 
 Neither's exit is a loss: a standby that dies is discarded (the recycler starts another), a
-retiring worker is expected to exit. The supervisor owns one :class:`Succession`; its watcher
+retiring worker is expected to exit. The supervisor owns one :class:`Handovers`; its watcher
 thread reaps the retiring workers (and kills them past their deadline); ``shutdown`` ends
 every one of them before it closes the current workers.
 """
@@ -19,13 +20,13 @@ from collections.abc import Callable
 from . import _identity, _reaper_client
 from ._record import WorkerRecord
 
-__all__ = ["Succession"]
+__all__ = ["Handovers"]
 
 log = logging.getLogger("torchrl_ext")
 
 
-class Succession:
-    """Standby and retiring workers of one env's start.
+class Handovers:
+    """The standby and retiring workers of one env's start: the slots being handed over.
 
     Fields (under ``lock``, the supervisor's): ``standby`` maps a slot to its next worker (set
     by the recycler through the supervisor, taken when it is promoted or discarded);
