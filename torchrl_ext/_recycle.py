@@ -42,10 +42,11 @@ older than its DataLoader workers) count for none of them while those live. Wher
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-import multiprocessing.connection
+import math
 import time
-from typing import Any
+from typing import Any, Literal
 
 from . import _platform
 from ._channel import RestartableChannel
@@ -54,9 +55,10 @@ from ._errors import format_exitcode
 from ._options import Options
 from ._policy import RestartRecord
 from ._slots import Reading, Slot, Slots, Swap
-from ._starting import WorkerStarter, await_answers, finish_handshake, read_answer, send_seed
+from ._starting import StartingWorker, WorkerStarter, await_answers, finish_handshake, read_answer, send_seed
 from ._stats import SAMPLE_INTERVAL, WATCH_SHARE
 from ._supervisor import WorkerSupervisor
+from ._wait import Late, on, wait_for
 from ._worker import PREPARE_RESET
 
 __all__ = ["Recycler"]
@@ -163,31 +165,26 @@ class Recycler:
         launch = slot.standby
         assert launch is not None
         limit = self.options.start_timeout
-        deadline = launch.launched_at + (limit if limit is not None else float("inf"))
-        answer_limit = self.options.answer_limit(env.pipe_timeout)
+        deadline = launch.launched_at + (limit if limit is not None else math.inf)
+        look = functools.partial(_answered_or_gone, supervisor, slot.index, launch)
+        sleep = on([launch.channel, launch.process.sentinel])
+        got = wait_for(look, deadline, f"start_timeout={limit}s", sleep=sleep) if wait else look()
+        if not got and not wait and time.monotonic() < deadline:
+            return False  # not built yet: looked at again at the next call
         phase, late = "build its env", None
-        while True:
-            if launch.channel.poll(0):
-                if not finish_handshake(launch, answer_limit):
-                    break
-                seed = slot.standby_seed
-                if seed is not None:
-                    send_seed(launch, *seed)
-                    phase = "answer its seed"
-                    if not launch.channel.poll(answer_limit):
-                        late = self.options.describe_answer_limit(env.pipe_timeout)
-                    if late is not None or not read_answer(launch.channel):
-                        launch.ready = False
-                        break
+        if isinstance(got, Late) or not got:
+            late = f"start_timeout={limit:g}s"
+        elif got == "answered" and finish_handshake(launch, self.options.answer_limit(env.pipe_timeout)):
+            seed = slot.standby_seed
+            if seed is None:
                 return True
-            if supervisor.handovers.gone(slot.index):
-                break
-            if time.monotonic() >= deadline:
-                late = f"start_timeout={limit:g}s"
-                break
-            if not wait:
-                return False
-            multiprocessing.connection.wait([launch.channel, launch.process.sentinel], timeout=0.02)
+            send_seed(launch, *seed)
+            phase = "answer its seed"
+            if not launch.channel.poll(self.options.answer_limit(env.pipe_timeout)):
+                late = self.options.describe_answer_limit(env.pipe_timeout)
+            elif read_answer(launch.channel):
+                return True
+            launch.ready = False
         self._drop(supervisor, slot, phase, late)
         return False
 
@@ -213,14 +210,15 @@ class Recycler:
         if launch is None:  # it died: dropped
             return False
         deadline = time.monotonic() + self.options.answer_limit(env.pipe_timeout)
-        while not launch.channel.poll(0):
-            if supervisor.handovers.gone(slot.index):
-                self._drop(supervisor, slot, _PREPARE)
-                return False
-            if time.monotonic() >= deadline:
-                self._drop(supervisor, slot, _PREPARE, self.options.describe_answer_limit(env.pipe_timeout))
-                return False
-            multiprocessing.connection.wait([launch.channel, launch.process.sentinel], timeout=0.02)
+        got = wait_for(
+            functools.partial(_answered_or_gone, supervisor, slot.index, launch),
+            deadline,
+            self.options.describe_answer_limit(env.pipe_timeout),
+            sleep=on([launch.channel, launch.process.sentinel]),
+        )
+        if got != "answered":
+            self._drop(supervisor, slot, _PREPARE, got.reason if isinstance(got, Late) else None)
+            return False
         return self._read_prepared(supervisor, slot)
 
     def _read_prepared(self, supervisor: WorkerSupervisor, slot: Slot) -> bool:
@@ -400,6 +398,15 @@ class Recycler:
             slot.swap.retiring.send(("close", None))  # the retired worker: its successor was lost
         self._forget_standby(supervisor, slot)
         slot.end_recycling()
+
+
+def _answered_or_gone(
+    supervisor: WorkerSupervisor, index: int, launch: StartingWorker
+) -> Literal["answered", "gone"] | None:
+    """Whether slot ``index``'s standby ``launch`` answered (its pipe has data), or exited."""
+    if launch.channel.poll(0):
+        return "answered"
+    return "gone" if supervisor.handovers.gone(index) else None
 
 
 def _or(value: int | None, default: int) -> int:

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import multiprocessing.connection
 import time
 import weakref
@@ -30,6 +31,7 @@ from ._plan import StartPlan
 from ._supervisor import WorkerSupervisor
 from ._tag import tagged_spawns
 from ._templates import copy_unstarted
+from ._wait import on, wait_for
 
 __all__ = [
     "StartingWorker",
@@ -46,8 +48,6 @@ __all__ = [
 
 log = logging.getLogger("torchrl_ext")
 
-#: Longest pause between checks while replacements start or answer.
-POLL_SLICE = 0.02
 #: How long the supervisor may take to handle a worker's exit (its tree's SIGKILL included).
 LOSS_WAIT = 10.0
 
@@ -192,8 +192,9 @@ def await_all(
     pending = dict(waits)
     lost: set[int] = set()
     late: set[int] = set()
-    pause = 1e-4
-    while pending:
+    waitables: list[Any] = []  # what the pause wakes on: the pending workers and channels
+
+    def settled() -> bool:
         for slot, ready in list(pending.items()):
             if ready():
                 del pending[slot]
@@ -208,12 +209,12 @@ def await_all(
                 lost.add(slot)
                 late.add(slot)
                 del pending[slot]
-        if not pending:
-            break
-        waitables: list[Any] = [supervisor.sentinel(slot) for slot in pending]
-        waitables += [c for slot, c in (channels or {}).items() if slot in pending]
-        multiprocessing.connection.wait(waitables, timeout=pause)
-        pause = min(2 * pause, POLL_SLICE)
+        waitables[:] = [supervisor.sentinel(slot) for slot in pending]
+        waitables.extend(c for slot, c in (channels or {}).items() if slot in pending)
+        return not pending
+
+    # No deadline of its own: each slot leaves ``pending`` by its own (late: killed, lost).
+    wait_for(settled, math.inf, "no deadline", sleep=on(waitables))
     return lost, late
 
 
