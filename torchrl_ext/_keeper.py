@@ -47,6 +47,9 @@ __all__ = ["RestartRecord", "SlotKeeper", "raise_failure"]
 
 log = logging.getLogger("torchrl_ext")
 
+#: One round of replacements: per slot, its starting worker, the loss it replaces, its backoff.
+Round = dict[int, tuple[StartingWorker, Loss, float]]
+
 
 # --------------------------------------------------------------------------- the keeper
 class SlotKeeper:
@@ -348,9 +351,7 @@ class SlotKeeper:
         self._reset_round(env, supervisor, ready, owed, in_flight)
         return records
 
-    def _launch_round(
-        self, env: Upstream, supervisor: WorkerSupervisor, losses: list[Loss]
-    ) -> dict[int, tuple[StartingWorker, Loss, float]]:
+    def _launch_round(self, env: Upstream, supervisor: WorkerSupervisor, losses: list[Loss]) -> Round:
         """Start each loss's replacement once its backoff (``restart_backoff``) has passed, the
         earliest due first, and install it: ``slot -> (launch, loss, backoff)``."""
         now_started, now = _identity.clock(), time.monotonic()
@@ -359,7 +360,7 @@ class SlotKeeper:
             lived = (now_started - (now - lost.lost_at)) - lost.create_time
             delay = self.backoff.delay(lost.index, lived)
             plans.append((lost.lost_at + delay, delay, lost))
-        launches: dict[int, tuple[StartingWorker, Loss, float]] = {}
+        launches: Round = {}
         for due, delay, lost in sorted(plans, key=lambda plan: plan[0]):
             pause = due - time.monotonic()
             if pause > 0:
@@ -380,7 +381,7 @@ class SlotKeeper:
         self,
         supervisor: WorkerSupervisor,
         env: Upstream,
-        ready: dict[int, tuple[StartingWorker, Loss, float]],
+        ready: Round,
     ) -> dict[int, tuple[StartingWorker, int, bool]]:
         """Count each ready replacement's incarnation and seed those whose slot was seeded
         (``replacement_seed``), all at once. Returns what each was sent."""
@@ -395,7 +396,7 @@ class SlotKeeper:
     def _record_round(
         self,
         supervisor: WorkerSupervisor,
-        ready: dict[int, tuple[StartingWorker, Loss, float]],
+        ready: Round,
         seeds: dict[int, tuple[StartingWorker, int, bool]],
     ) -> list[RestartRecord]:
         """A record in ``env.restarts`` (and a warning) for each replacement still ready, in the
@@ -432,7 +433,7 @@ class SlotKeeper:
         self,
         env: Upstream,
         supervisor: WorkerSupervisor,
-        ready: dict[int, tuple[StartingWorker, Loss, float]],
+        ready: Round,
         owed: dict[int, tuple[str | None, Any]],
         in_flight: Collection[int],
     ) -> None:
