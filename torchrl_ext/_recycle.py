@@ -168,12 +168,13 @@ class Recycler:
         deadline = launch.launched_at + (limit if limit is not None else math.inf)
         look = functools.partial(_answered_or_gone, supervisor, slot.index, launch)
         sleep = on([launch.channel, launch.process.sentinel])
-        got = wait_for(look, deadline, f"start_timeout={limit}s", sleep=sleep) if wait else look()
+        limit_name = "no start_timeout" if limit is None else f"start_timeout={limit:g}s"
+        got = wait_for(look, deadline, limit_name, sleep=sleep) if wait else look()
         if not got and not wait and time.monotonic() < deadline:
             return False  # not built yet: looked at again at the next call
         phase, late = "build its env", None
         if isinstance(got, Late) or not got:
-            late = f"start_timeout={limit:g}s"
+            late = limit_name
         elif got == "answered" and finish_handshake(launch, self.options.answer_limit(env.pipe_timeout)):
             seed = slot.standby_seed
             if seed is None:

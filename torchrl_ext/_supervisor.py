@@ -178,7 +178,7 @@ class WorkerSupervisor:
         old.release_process()  # its status was collected when it was lost
         old.channel.on_eof = None  # it refers back to the worker
         if isinstance(old.channel, RestartableChannel):
-            old.channel.hook = None  # it refers back to the channel
+            old.channel.hook = None  # the slot's hook goes with the slot, not the dead channel
         with contextlib.suppress(OSError):
             old.channel.close()  # now, not when a collection finds the old record
         self._watcher.wake()
