@@ -67,7 +67,7 @@ from typing import Any
 import psutil
 import torch
 from _machine import child_trial, is_helper, run_script_child, wait_for_quiet
-from overhead import TrivialEnv
+from trivial_env import TrivialEnv
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
