@@ -95,8 +95,7 @@ class SlotKeeper:
             set_process_kwargs(template, {k: v for k, v in kwargs.items() if k not in PER_START_KWARGS})
         starter = self.starter
         starter.templates, starter.plan, starter.fifo = templates, plan, fifo
-        for slot in self.slots:
-            slot.new_start()
+        self.slots.new_start()
         if self.options.replaceable_workers and len(templates) != workers:
             raise RuntimeError(
                 f"torchrl_ext could not record the {workers} worker processes TorchRL started "
@@ -126,22 +125,23 @@ class SlotKeeper:
         """The send hook of slot ``index`` (see ``RestartableChannel.hook``): a replacement's first
         step is not sent, its transition is the marked one; with recycling on, the recycler
         routes the command (a boundary may swap the slot's worker)."""
-        env = env_ref()
-        if env is None:
+        owner = env_ref()
+        if owner is None:
             return None
+        env = Upstream(owner)
         slot = self.slots[index]
         if slot.owes_mark:
             command = message[0]
             if command in ("step", "step_and_maybe_reset"):
                 slot.owes_mark = False
-                self._unhook(Upstream(env), index)
-                self._mark(Upstream(env), index)
+                self._unhook(env, index)
+                self._mark(env, index)
                 return None, None
             if command == "reset":
                 slot.owes_mark = False
-                self._unhook(Upstream(env), index)
+                self._unhook(env, index)
         if self.recycler.on:
-            return self.recycler.route(Upstream(env), supervisor, index, message)
+            return self.recycler.route(env, supervisor, index, message)
         return None
 
     def _unhook(self, env: Upstream, index: int) -> None:
@@ -163,17 +163,17 @@ class SlotKeeper:
     # ------------------------------------------------------------------ between calls
     def pending(self, supervisor: WorkerSupervisor) -> bool:
         """Whether the next call must first clear marks or replace lost workers (no system call)."""
-        if supervisor.has_losses or any(slot.marked for slot in self.slots):
+        if self.slots.marked or supervisor.has_losses:
             return True
         return self.recycler.on and self.recycler.pending(supervisor)
 
     def between_calls(self, env: Upstream, supervisor: WorkerSupervisor) -> None:
-        marked = self.slots.marked()
+        marked = self.slots.marked
         if marked:
             buffers = env.owner.slot_buffers
             for slot in marked:
-                clear_marks(buffers[slot.index], self.mark_keys)
-                slot.marked = False
+                clear_marks(buffers[slot], self.mark_keys)
+            marked.clear()
         if supervisor.has_losses:
             self.handle_losses(env, supervisor, in_flight=())
         if self.recycler.on:
@@ -482,7 +482,7 @@ class SlotKeeper:
         fresh, record.fresh_obs = record.fresh_obs, None
         slot_td = owner.slot_buffers[slot]
         mark_transition(slot_td, owner.obs_keys, owner.env.reward_keys, owner.env.done_keys, fresh)
-        record.marked = True
+        self.slots.marked.add(slot)
         Answers(owner.done_flags, owner.events).set(slot)
 
 

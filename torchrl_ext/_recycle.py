@@ -169,19 +169,20 @@ class Recycler:
         look = functools.partial(_answered_or_gone, supervisor, slot.index, launch)
         sleep = on([launch.channel, launch.process.sentinel])
         limit_name = "no start_timeout" if limit is None else f"start_timeout={limit:g}s"
+        answer_limit = self.options.answer_limit(env.pipe_timeout)
         got = wait_for(look, deadline, limit_name, sleep=sleep) if wait else look()
         if not got and not wait and time.monotonic() < deadline:
             return False  # not built yet: looked at again at the next call
         phase, late = "build its env", None
         if isinstance(got, Late) or not got:
             late = limit_name
-        elif got == "answered" and finish_handshake(launch, self.options.answer_limit(env.pipe_timeout)):
+        elif got == "answered" and finish_handshake(launch, answer_limit):
             seed = slot.standby_seed
             if seed is None:
                 return True
             send_seed(launch, *seed)
             phase = "answer its seed"
-            if not launch.channel.poll(self.options.answer_limit(env.pipe_timeout)):
+            if not launch.channel.poll(answer_limit):
                 late = self.options.describe_answer_limit(env.pipe_timeout)
             elif read_answer(launch.channel):
                 return True

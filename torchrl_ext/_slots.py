@@ -55,8 +55,6 @@ class Slot:
     seed: tuple[int, bool] | None = None
     #: How many workers replaced the slot's first; only grows. :meth:`next_seed`.
     incarnation: int = 0
-    #: Its ``"next"`` holds a restart's mark, cleared at the next call. The keeper.
-    marked: bool = False
     #: Its replacement's first reset observation, kept until its mark is written. The keeper.
     fresh_obs: Any = None
     #: Its worker, a replacement lost between calls, owes it a marked transition: its next step
@@ -98,10 +96,6 @@ class Slot:
         self.owes_mark = False
         self.episodes, self.held_at, self.reading = 0, None, None
 
-    def new_start(self) -> None:
-        """The env started (again): no mark is pending."""
-        self.marked, self.owes_mark, self.fresh_obs = False, False, None
-
     def drop_standby(self) -> StartingWorker | None:
         """Forget the standby (and its prepared reset); return it, for its process to be ended."""
         standby, self.standby, self.prepared = self.standby, None, None
@@ -121,6 +115,9 @@ class Slots:
 
     def __init__(self) -> None:
         self._slots: list[Slot] = []
+        #: The slots whose ``"next"`` holds a restart's mark, cleared at the next call: a set, as
+        #: every call asks whether it is empty. Written by the keeper (and :meth:`new_start`).
+        self.marked: set[int] = set()
 
     def __getitem__(self, index: int) -> Slot:
         while len(self._slots) <= index:
@@ -130,8 +127,11 @@ class Slots:
     def __iter__(self) -> Iterator[Slot]:
         return iter(self._slots)
 
-    def marked(self) -> list[Slot]:
-        return [slot for slot in self._slots if slot.marked]
+    def new_start(self) -> None:
+        """The env started (again): no mark is pending or owed."""
+        self.marked.clear()
+        for slot in self._slots:
+            slot.owes_mark, slot.fresh_obs = False, None
 
     def due(self) -> list[Slot]:
         return [slot for slot in self._slots if slot.due is not None]
