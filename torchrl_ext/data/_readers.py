@@ -1,0 +1,250 @@
+"""The episode ledger's reader processes: they load and parse episodes into a spool directory.
+
+Readers are children of the ledger's process under the package's supervision, whatever env
+class uses the ledger: each leads its own process group, carries an owner tag that processes it
+execs inherit, arms the parent-death signal, and is reported to the external reaper, which
+kills it (and its group) within milliseconds if the owner dies by any means. The one module of
+``data/`` that uses the package's process supervision.
+
+A reader's whole protocol, on its end of a pipe::
+
+    parent -> reader   (item, index, path)      load dataset[index], pickle it to path
+                       None                     exit
+    reader -> parent   ("ok", item, nbytes)     path is complete
+                       ("error", item, why)     dataset[index] raised; why names it
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import psutil
+
+from .. import _identity, _platform, _reaper_client
+from .._errors import format_exitcode
+from .._tag import new_env_tag
+
+__all__ = [
+    "Reader",
+    "ReaderPool",
+    "Supervised",
+    "acquire_runtime_dir",
+    "describe_failure",
+    "episode_path",
+    "owner_tag",
+    "release_runtime_dir",
+    "start_supervised",
+]
+
+_logger = logging.getLogger("torchrl_ext")
+
+#: Seconds a reader gets to exit after it is asked to, before SIGKILL.
+STOP_GRACE = 2.0
+
+
+def acquire_runtime_dir() -> str:
+    """This process's runtime directory (the external reaper's, which removes it if this
+    process dies by any means); hold it until :func:`release_runtime_dir`."""
+    return os.path.dirname(_reaper_client.acquire())
+
+
+def release_runtime_dir() -> None:
+    _reaper_client.release()
+
+
+def episode_path(dataset: Any, index: int) -> str | None:
+    """Where ``dataset`` says episode ``index`` lives (its ``episode_path(index)``), or None."""
+    locate = getattr(dataset, "episode_path", None)
+    if locate is None:
+        return None
+    try:
+        return str(locate(index))
+    except Exception:  # a broken locator must not hide the load's own error
+        return None
+
+
+def describe_failure(dataset: Any, index: int, err: BaseException) -> str:
+    """``dataset[index]`` raised ``err``: one line that names the episode and the error."""
+    where = episode_path(dataset, index)
+    return f"episode {index}{f' ({where})' if where else ''}: {type(err).__name__}: {err}"
+
+
+def owner_tag() -> str:
+    """A fresh owner tag for the ledger's processes (call it in the owner)."""
+    return str(new_env_tag())
+
+
+def start_supervised(
+    ctx: Any, target: Any, args: tuple[Any, ...], name: str, fifo: str, tag: str
+) -> tuple[BaseProcess, _identity.ProcessKey]:
+    """Start ``target(*args, Supervised(...))`` in a process of its own group, reported to the
+    reaper listening on ``fifo`` (from any process of the owner's tree)."""
+    arm = _platform.parent_death_outlives_worker(ctx.get_start_method())
+    supervised = Supervised(os.getpid(), arm, tag, fifo)
+    process = ctx.Process(target=target, args=(*args, supervised), name=name, daemon=False)
+    process.start()
+    assert process.pid is not None
+    key = _identity.key_of(psutil.Process(process.pid)) or (process.pid, 0.0)
+    _reaper_client.notify_watch(fifo, process.pid, key[1], process.pid)
+    return process, key
+
+
+@dataclass(frozen=True)
+class Supervised:
+    """What a process :func:`start_supervised` started needs to know of its supervision."""
+
+    parent: int  # the pid that started it
+    arm: bool  # whether the parent-death signal may be armed (the forking thread outlives it)
+    tag: str  # the owner tag, inherited by what it execs
+    fifo: str  # the owner's reaper, to report processes it starts itself
+
+    def enter(self) -> None:
+        """First thing in the process: lead a process group, die with the parent, tag."""
+        _platform.new_process_group()
+        if self.arm:
+            _platform.set_parent_death_signal(signal.SIGKILL)
+        if os.getppid() != self.parent:  # the parent died before the signal was armed
+            os._exit(0)
+        os.environ[_identity.OWNER_VAR] = self.tag
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the owner's to handle
+
+
+def _reader_main(dataset: Any, conn: Connection, nice: int | None, supervised: Supervised) -> None:
+    supervised.enter()
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError:
+            pass
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        item, index, path = task
+        try:
+            episode = dataset[index]
+            part = f"{path}.part"
+            with open(part, "wb") as f:
+                pickle.dump(episode, f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(part, path)
+            conn.send(("ok", item, os.path.getsize(path)))
+        except Exception as err:
+            conn.send(("error", item, describe_failure(dataset, index, err)))
+
+
+@dataclass
+class Reader:
+    """One reader process and the parent's end of its pipe."""
+
+    process: BaseProcess  # fixed; started by ReaderPool.start
+    conn: Connection  # fixed; closed by ReaderPool when the reader is gone
+    key: _identity.ProcessKey  # fixed: (pid, create time)
+    task: tuple[Any, str] | None = None  # (item, path) it is loading; the ledger writes
+
+    @property
+    def pid(self) -> int:
+        return self.key[0]
+
+
+class ReaderPool:
+    """``count`` reader processes started by ``context``; replaced one at a time when they die."""
+
+    def __init__(
+        self, dataset: Any, count: int, context: str | None, nice: int | None, supervised: Supervised
+    ) -> None:
+        self._dataset = dataset  # fixed
+        self._count = count  # fixed
+        self._ctx = multiprocessing.get_context(context)  # fixed
+        self._nice = nice  # fixed
+        self._supervised = supervised  # fixed: the ledger process's own supervision
+        self.readers: list[Reader] = []  # live readers; start/replace/close write
+        self.restarts = 0  # readers replaced after they died; replace writes
+        self._gone_read_bytes = 0  # storage bytes read by readers already gone
+        self._last_read: dict[int, int] = {}  # pid -> its last read_bytes sample
+
+    def start(self) -> None:
+        """Start every reader (from the thread that outlives them: the parent-death signal
+        follows the thread that forked)."""
+        while len(self.readers) < self._count:
+            self.readers.append(self._start_one())
+
+    def _start_one(self) -> Reader:
+        ours, theirs = self._ctx.Pipe(duplex=True)
+        args = (self._dataset, theirs, self._nice)
+        sup = self._supervised
+        process, key = start_supervised(
+            self._ctx, _reader_main, args, "torchrl_ext-reader", sup.fifo, sup.tag
+        )
+        theirs.close()
+        return Reader(process, ours, key)
+
+    def idle(self) -> list[Reader]:
+        return [r for r in self.readers if r.task is None]
+
+    def waitables(self) -> list[Any]:
+        """What ``multiprocessing.connection.wait`` should watch: pipes and exit sentinels."""
+        return [r.conn for r in self.readers] + [r.process.sentinel for r in self.readers]
+
+    def replace(self, reader: Reader) -> Reader:
+        """``reader`` died: reap it and start another in its place."""
+        self._retire([reader])
+        fresh = self._start_one()
+        self.readers[self.readers.index(reader)] = fresh
+        self.restarts += 1
+        return fresh
+
+    def exit_description(self, reader: Reader) -> str:
+        """How ``reader`` ended, as the package's errors say it (``SIGKILL(-9)``)."""
+        return format_exitcode(reader.process.exitcode)
+
+    def alive(self) -> int:
+        return sum(r.process.is_alive() for r in self.readers)
+
+    def read_bytes(self) -> int:
+        """Bytes the readers, past and present, read from storage."""
+        total = self._gone_read_bytes
+        for reader in self.readers:
+            total += self._sample(reader.pid)
+        return total
+
+    def _sample(self, pid: int) -> int:
+        try:
+            self._last_read[pid] = psutil.Process(pid).io_counters().read_bytes
+        except (psutil.Error, AttributeError, NotImplementedError):  # gone, or not on this OS
+            pass
+        return self._last_read.get(pid, 0)
+
+    def _retire(self, readers: Iterable[Reader]) -> None:
+        for reader in readers:
+            self._gone_read_bytes += self._last_read.pop(reader.pid, 0)
+            reader.process.join(STOP_GRACE)
+            if reader.process.exitcode is None:  # not yet reaped: the group is still its own
+                try:
+                    _platform.kill_process_group(reader.pid, signal.SIGKILL)
+                except ValueError:  # it had not left our group yet
+                    reader.process.kill()
+                reader.process.join(STOP_GRACE)
+            reader.conn.close()  # the reaper may keep its key: it checks identity before a kill
+
+    def close(self) -> None:
+        """Ask every reader to exit; SIGKILL the group of any that does not."""
+        for reader in self.readers:
+            self._sample(reader.pid)
+            try:
+                reader.conn.send(None)
+            except OSError:
+                pass
+        readers, self.readers = self.readers, []
+        self._retire(readers)
