@@ -53,11 +53,11 @@ from ._readers import (
     Reader,
     ReaderPool,
     Supervised,
-    acquire_runtime_dir,
+    acquire_reaper,
     describe_failure,
     episode_path,
     owner_tag,
-    release_runtime_dir,
+    release_reaper,
     start_supervised,
 )
 
@@ -397,14 +397,14 @@ class _Service:
         waits = list(self.waits)
         worker_bytes = self.gone_bytes + sum(self.peer_bytes.values())
         return {
-            "epoch": state.epoch,
+            "epoch": state.current,
             "served": state.served,
             "completed": state.done,
             "in_flight": len(state.leases),
             "requeued": state.requeued,
             "quarantined": len(state.quarantined),
             "duplicates": state.duplicates,
-            "coverage": state.coverage(state.epoch),
+            "coverage": state.coverage(state.current),
             "readers": 0 if pool is None else len(pool.readers),
             "readers_alive": 0 if pool is None else pool.alive(),
             "reader_restarts": 0 if pool is None else pool.restarts,
@@ -449,6 +449,8 @@ class _Service:
                 return self.state.exhausted()
             if method == "quarantined":
                 return dict(self.state.quarantined)
+            if method == "pids":
+                return [os.getpid(), *(r.pid for r in (self.pool.readers if self.pool else ()))]
             result = getattr(self.state, method)(*args)  # state_dict, completed_in
             return result
 
@@ -666,7 +668,7 @@ class EpisodeLedger(Closing):
         self._owner = os.getpid()  # fixed: only this process closes the ledger
         self._lock = threading.Lock()  # one control call at a time
         # Inside the reaper's directory, which the reaper removes if this process dies.
-        fifo = acquire_runtime_dir()
+        fifo = acquire_reaper()
         try:
             directory = tempfile.mkdtemp(prefix="ledger-", dir=os.path.dirname(fifo))
             address = os.path.join(directory, "s")
@@ -718,7 +720,7 @@ class EpisodeLedger(Closing):
                 process.join(_CLOSE_WAIT)
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
-        release_runtime_dir()
+        release_reaper()
 
     def _call(self, method: str, *args: Any) -> Any:
         if os.getpid() != self._owner:
@@ -770,6 +772,11 @@ class EpisodeLedger(Closing):
         ``workers_connected``, ``data_wait_ms_p50``/``_p95`` (each ``next()``, load included)
         and ``read_bytes`` (what the readers and workers read from storage)."""
         result: dict[str, float | int] = self._call("stats")
+        return result
+
+    def pids(self) -> list[int]:
+        """The ledger's processes: its own, then its readers'."""
+        result: list[int] = self._call("pids")
         return result
 
     def quarantined(self) -> dict[int, str]:

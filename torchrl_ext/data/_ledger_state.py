@@ -64,6 +64,7 @@ class LedgerState:
         self.completed: dict[int, set[int]] = {0: set()}  # epoch -> indices completed in it
         self.losses: Counter[int] = Counter()  # index -> times it was lost in flight (whole run)
         self.quarantined: dict[int, str] = {}  # index -> why; never shrinks
+        self.current = 0  # the newest epoch handed out (``epoch`` may run ahead: loads); lease writes
         self.served = 0  # leases handed out
         self.done = 0  # items completed
         self.requeued = 0  # items put back after a loss
@@ -102,6 +103,7 @@ class LedgerState:
         assert holder not in self.leases, f"holder {holder} already holds {self.leases[holder]}"
         item = self.pending.popleft()
         self.leases[holder] = item
+        self.current = max(self.current, item[0])
         self.served += 1
         return item
 
@@ -187,6 +189,7 @@ class LedgerState:
             "shuffle": self.sampler.shuffle,
             "seed": self.sampler.seed,
             "epoch": self.epoch,
+            "current": min([self.current, *(e for e, _i in self.outstanding())]),
             "cursor": self.cursor,
             "outstanding": [list(item) for item in self.outstanding()],
             "completed": {str(e): sorted(done) for e, done in self.completed.items()},
@@ -205,6 +208,7 @@ class LedgerState:
             )
         self.sampler = EpisodeSampler(self.num_episodes, bool(state["shuffle"]), int(state["seed"]))
         self.epoch = int(state["epoch"])
+        self.current = int(state["current"])
         self.order, self.cursor = self.sampler.epoch_order(self.epoch), int(state["cursor"])
         self.front = deque((int(e), int(i)) for e, i in state["outstanding"])
         self.completed = {int(e): set(map(int, done)) for e, done in state["completed"].items()}

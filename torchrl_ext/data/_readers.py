@@ -37,11 +37,11 @@ __all__ = [
     "Reader",
     "ReaderPool",
     "Supervised",
-    "acquire_runtime_dir",
+    "acquire_reaper",
     "describe_failure",
     "episode_path",
     "owner_tag",
-    "release_runtime_dir",
+    "release_reaper",
     "start_supervised",
 ]
 
@@ -51,13 +51,14 @@ _logger = logging.getLogger("torchrl_ext")
 STOP_GRACE = 2.0
 
 
-def acquire_runtime_dir() -> str:
-    """This process's runtime directory (the external reaper's, which removes it if this
-    process dies by any means); hold it until :func:`release_runtime_dir`."""
-    return os.path.dirname(_reaper_client.acquire())
+def acquire_reaper() -> str:
+    """Start this process's external reaper if needed and hold it until
+    :func:`release_reaper`. Returns its FIFO; the directory around it is this process's runtime
+    directory, which the reaper removes if this process dies by any means."""
+    return _reaper_client.acquire()
 
 
-def release_runtime_dir() -> None:
+def release_reaper() -> None:
     _reaper_client.release()
 
 
