@@ -64,7 +64,7 @@ _READ_CHUNK = 256 * 1024
 _DELTA_STD = 24.0  # spread of the int16 deltas; sets how well the files compress (about 2x)
 
 #: Where ``LogReplayEnv.reset()`` gets the next episode from.
-SOURCES = ("inline", "dataloader_per_reset", "episode_loader", "thread", "memmap", "oracle")
+SOURCES = ("inline", "dataloader_per_reset", "episode_loader", "thread", "memmap", "oracle", "ledger")
 
 
 # ---------------------------------------------------------------------------------- storage
@@ -192,6 +192,10 @@ class LogDataset(Dataset[torch.Tensor]):
 
     def __getitem__(self, index: int) -> torch.Tensor:
         return parse_log(read_log(self.paths[index], self.profile))
+
+    def episode_path(self, index: int) -> str:
+        """The file of episode ``index`` (an ``EpisodeLedger`` names it when it quarantines)."""
+        return self.paths[index]
 
 
 def _parse_to_dict(path: str, profile: StorageProfile) -> dict[str, torch.Tensor]:
@@ -328,6 +332,26 @@ class EpisodeLoaderSource:
         self.loader.close()
 
 
+class LedgerSource:
+    """A handle on a ``torchrl_ext.data.EpisodeLedger`` built in the main process: every env
+    worker takes the next episode of one shared order (its own seed is ignored)."""
+
+    def __init__(self, episodes: Any) -> None:
+        self.episodes = episodes
+        self.epoch = -1
+
+    def next_episode(self) -> torch.Tensor:
+        _index, episode = self.episodes.next()
+        self.epoch = self.episodes.epoch
+        return episode  # type: ignore[no-any-return]
+
+    def set_seed(self, seed: int) -> None:
+        pass
+
+    def close(self) -> None:
+        self.episodes.close()
+
+
 class ThreadSource:
     """``torchrl_ext.data.ThreadPrefetcher``: a background thread in the env process."""
 
@@ -363,12 +387,14 @@ def make_source(
     prefetch: int = 2,
     mp_context: str | None = "fork",
     memmap_dir: str | os.PathLike[str] | None = None,
+    episodes: Any = None,
 ) -> EpisodeSource:
     """Build the episode source ``kind`` (one of :data:`SOURCES`) over ``paths``.
 
     Every source delivers the same episode order for the same ``seed`` (an
     :class:`~torchrl_ext.data.EpisodeSampler` stream). ``memmap`` needs ``memmap_dir`` holding
-    the output of :func:`convert_to_memmap` for ``paths``.
+    the output of :func:`convert_to_memmap` for ``paths``; ``ledger`` needs ``episodes``, an
+    ``EpisodeLedger`` built over ``LogDataset(paths, profile)`` in the main process.
     """
     dataset = LogDataset(paths, profile)
     n = len(dataset)
@@ -387,6 +413,10 @@ def make_source(
         return MemmapSource(MemmapEpisodeDataset(dirs), n, seed, shuffle)
     if kind == "oracle":
         return OracleSource(dataset, n, seed, shuffle)
+    if kind == "ledger":
+        if episodes is None:
+            raise ValueError("source 'ledger' needs episodes=EpisodeLedger(LogDataset(paths, profile))")
+        return LedgerSource(episodes)
     raise ValueError(f"unknown source {kind!r}; expected one of {SOURCES}")
 
 
@@ -419,9 +449,11 @@ class LogReplayEnv(EnvBase):
         seed: int = 0,
         shuffle: bool = True,
         stats_dir: str | os.PathLike[str] | None = None,
+        episodes: Any = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(batch_size=torch.Size([]), **kwargs)
+        self.episodes = episodes
         if source not in SOURCES:
             raise ValueError(f"unknown source {source!r}; expected one of {SOURCES}")
         self.paths = [str(p) for p in paths]
@@ -461,6 +493,7 @@ class LogReplayEnv(EnvBase):
                 prefetch=self.prefetch,
                 mp_context=self.mp_context,
                 memmap_dir=self.memmap_dir,
+                episodes=self.episodes,
             )
         return self._source
 
@@ -468,6 +501,11 @@ class LogReplayEnv(EnvBase):
         if self.stats_dir is not None:
             with open(os.path.join(self.stats_dir, f"resets-{os.getpid()}.txt"), "a") as fh:
                 fh.write(f"{seconds:.6f}\n")
+            # Which episode this is (its length and first row), and its ledger epoch (-1: none).
+            epoch = getattr(self._source, "epoch", -1)
+            fingerprint = f"{self._episode.shape[0]}:{float(self._episode[0].sum()):.4f}"
+            with open(os.path.join(self.stats_dir, f"played-{os.getpid()}.txt"), "a") as fh:
+                fh.write(f"{time.time():.6f} {fingerprint} {epoch}\n")
 
     def _reset(self, tensordict: TensorDict | None = None, **kwargs: Any) -> TensorDict:
         start = time.perf_counter()

@@ -1,15 +1,15 @@
 """One episode ledger for every env worker: each episode once per epoch, across all of them.
 
-Data flow (every arrow but the spool file is a pickled message)::
+Data flow (every arrow is a pickled message; episodes go through spool files)::
 
-    env worker (any process)                 ledger's process                      readers
-    ------------------------                 ----------------                      -------
-    LedgerClient.next() --("next")--> one thread per connection --+
-                                         |   LedgerState (lock)   |  dispatcher thread
-                <--("episode", e, i, path)--  pending loads  <----+-- ("ok", item) <-- reader k
-    pickle.load(path); unlink                       |                                  |
-                                                    +---- (item, index, path) -------->+
-                                                         spool/<e>-<i>-<n>.pkl written by the reader
+    env worker (any process)           the ledger's process                      readers
+    ------------------------           --------------------                      -------
+    LedgerClient.next() --("next")---> a thread per connection
+                                       LedgerState, pending loads (one lock)
+    torch.load(path, mmap=True) <----- ("episode", epoch, index, path)
+                                       dispatcher thread ---(item, index, path)---> reader k
+                                                         <---("ok", item, nbytes)--  torch.save
+                                                                                     to path
 
 A connection is one worker process. Its lease is the episode it plays; the lease completes when
 the same connection asks for its next episode or closes, and is lost when the connection ends
@@ -29,7 +29,6 @@ import itertools
 import logging
 import multiprocessing
 import os
-import pickle
 import secrets
 import shutil
 import tempfile
@@ -44,6 +43,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Literal
 
 import psutil
+import torch
 
 from .. import _identity
 from .._errors import format_exitcode
@@ -140,7 +140,6 @@ class _Service:
         self.plan = plan  # fixed
         self.cond = threading.Condition()  # guards every field below that is not fixed
         self.spool = os.path.join(plan.dir, "spool")  # fixed: the readers' output
-        self.depth = max(1, plan.num_readers) * plan.prefetch  # fixed: pending items loaded ahead
         self.loads: dict[Item, _Load] = {}  # pending item -> its load; _fill/_on_reader/_hand_out
         self.queue: deque[tuple[Item, int]] = deque()  # (item, try) waiting for an idle reader
         self.tries = itertools.count()  # names spool files uniquely
@@ -252,7 +251,7 @@ class _Service:
             if not self.queue:
                 return
             item, attempt = self.queue.popleft()
-            path = os.path.join(self.spool, f"{item[0]}-{item[1]}-{attempt}.pkl")
+            path = os.path.join(self.spool, f"{item[0]}-{item[1]}-{attempt}.pt")
             try:
                 reader.conn.send((item, item[1], path))
             except OSError:  # it died: its sentinel says so next
@@ -262,8 +261,10 @@ class _Service:
             self.loads[item].path = path
 
     def _fill(self) -> None:
-        """Keep ``depth`` items pending, their loads started."""
-        while len(self.state.pending) < self.depth:
+        """Keep ``prefetch`` items pending per connected worker, their loads started: workers of
+        a batched env reset together, and each should find its episode ready."""
+        depth = self.plan.prefetch * max(1, len(self.connections))
+        while len(self.state.pending) < depth:
             item = self.state.take()
             if item is None:
                 return
@@ -576,8 +577,8 @@ class LedgerClient:
     def _load(self, index: int, path: str | None) -> Any:
         if path is None:
             return self._dataset[index]
-        with open(path, "rb") as f:
-            episode = pickle.load(f)
+        # Mapped, not read: tensors share the page cache's pages (copy-on-write).
+        episode = torch.load(path, mmap=True, weights_only=False)
         os.unlink(path)
         return episode
 
@@ -621,7 +622,8 @@ class EpisodeLedger(Closing):
       when that worker is lost (killed, hung and replaced, recycled, or simply gone) it goes back
       to the front of the queue. Which worker gets which episode depends on timing; the order
       of handed-out indices, losses aside, does not.
-    * **Bounded readers.** ``num_readers`` processes load and parse ahead (``prefetch`` each),
+    * **Bounded readers.** ``num_readers`` processes load and parse ahead (``prefetch`` episodes
+      per connected worker),
       whatever the number of workers; they are children of this process, watched like env
       workers (nothing is left behind on any exit). ``num_readers=0``: the worker calls
       ``dataset[index]`` itself (the dataset must then pickle) and the ledger asks the kernel

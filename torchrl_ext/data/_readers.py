@@ -8,7 +8,7 @@ kills it (and its group) within milliseconds if the owner dies by any means. The
 
 A reader's whole protocol, on its end of a pipe::
 
-    parent -> reader   (item, index, path)      load dataset[index], pickle it to path
+    parent -> reader   (item, index, path)      load dataset[index], torch.save it to path
                        None                     exit
     reader -> parent   ("ok", item, nbytes)     path is complete
                        ("error", item, why)     dataset[index] raised; why names it
@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import pickle
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 import psutil
+import torch
 
 from .. import _identity, _platform, _reaper_client
 from .._errors import format_exitcode
@@ -121,6 +121,7 @@ class Supervised:
 
 def _reader_main(dataset: Any, conn: Connection, nice: int | None, supervised: Supervised) -> None:
     supervised.enter()
+    torch.set_num_threads(1)  # as in a DataLoader worker: readers run side by side with the envs
     if nice:
         try:
             os.nice(nice)
@@ -137,8 +138,7 @@ def _reader_main(dataset: Any, conn: Connection, nice: int | None, supervised: S
         try:
             episode = dataset[index]
             part = f"{path}.part"
-            with open(part, "wb") as f:
-                pickle.dump(episode, f, protocol=pickle.HIGHEST_PROTOCOL)
+            torch.save(episode, part)  # a worker maps it back: tensors are not copied again
             os.replace(part, path)
             conn.send(("ok", item, os.path.getsize(path)))
         except Exception as err:
