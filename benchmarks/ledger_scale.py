@@ -159,6 +159,14 @@ def run_one(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     return result
 
 
+def _paired_ratio(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> float:
+    """Median over repeats of frames/s against ``base``'s run of the same repeat."""
+    ratios = [
+        a["fps"] / b["fps"] for a, b in zip(runs, base, strict=False) if "error" not in a and "error" not in b
+    ]
+    return statistics.median(ratios) if ratios else float("nan")
+
+
 def _median(runs: list[dict[str, Any]], key: str) -> float:
     values = [r[key] for r in runs if "error" not in r]
     return statistics.median(values) if values else float("nan")
@@ -173,13 +181,18 @@ def build_markdown(cells: dict[tuple[int, str], list[dict[str, Any]]], args: arg
         f"{args.file_mb} MB, episodes of about {args.episode_len} steps, {args.frames} frames per run, "
         f"{args.repeats} interleaved repeat(s), `--step-work {args.step_work}`.",
         "",
-        "| env workers | configuration | frames/s | vs loaders | processes | tree peak | PSS MB "
+        "`frames/s` is the median over repeats, `x loaders` the median of ratios paired within a "
+        "repeat; `processes`: env workers and data processes (the ledger's own and its readers, or "
+        "the loaders' workers), the main process and shared helpers not counted; `tree peak`: the "
+        "whole tree's; `PSS MB`: the tree's peak proportional memory.",
+        "",
+        "| env workers | configuration | frames/s | x loaders | processes | tree peak | PSS MB "
         "| duplicates / epoch | coverage | epochs |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     verdicts = []
     for n in args.envs:
-        loaders = _median(cells.get((n, "loaders"), []), "fps")
+        loaders = cells.get((n, "loaders"), [])
         for config in args.configs:
             runs = cells.get((n, config), [])
             ok = [r for r in runs if "error" not in r]
@@ -189,7 +202,7 @@ def build_markdown(cells: dict[tuple[int, str], list[dict[str, Any]]], args: arg
                 continue
             fps = _median(ok, "fps")
             lines.append(
-                f"| {n} | {CONFIGS[config][0]} | {fps:,.0f} | {fps / loaders:.2f}x | "
+                f"| {n} | {CONFIGS[config][0]} | {fps:,.0f} | {_paired_ratio(runs, loaders):.2f}x | "
                 f"{max(r['processes'] for r in ok)} | {max(r['peak_tree'] for r in ok)} | "
                 f"{_median(ok, 'peak_pss_mb'):,.0f} | {max(r['duplicates'] for r in ok):.1f} | "
                 f"{min(r['coverage'] for r in ok):.0%} | {min(r['epochs'] for r in ok)} |"
@@ -197,7 +210,7 @@ def build_markdown(cells: dict[tuple[int, str], list[dict[str, Any]]], args: arg
         ledger = [r for r in cells.get((n, "ledger"), []) if "error" not in r]
         loader_runs = [r for r in cells.get((n, "loaders"), []) if "error" not in r]
         if n == max(args.envs) and ledger and loader_runs:
-            fps_ratio = _median(ledger, "fps") / loaders
+            fps_ratio = _paired_ratio(cells[(n, "ledger")], loaders)
             procs = max(r["processes"] for r in ledger) / max(r["processes"] for r in loader_runs)
             dup = max(r["duplicates"] for r in ledger)
             cov = min(r["coverage"] for r in ledger)
@@ -225,11 +238,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--reader-nice",
         type=lambda v: None if v == "none" else int(v),
-        default=None,
-        help="the ledger's reader_nice",
+        default=19,
+        help="the ledger's reader_nice (its default: 19; 'none': the main process's priority)",
     )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--render", type=Path, help="only rebuild the report from this results JSON")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -250,6 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child:
         Path(args.child_out).write_text(json.dumps(run_child(json.loads(args.child))))
         return 0
+    if args.render:
+        return render(args.render)
     sys.path.insert(0, str(EXAMPLES))
     import log_replay
 
@@ -283,10 +299,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.generated = time.strftime("%Y-%m-%d %H:%M")
     args.elapsed = time.perf_counter() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(build_markdown(cells, args))
-    raw = {f"{n}/{config}": runs for (n, config), runs in cells.items()}
+    meta = {k: v for k, v in vars(args).items() if k not in ("out", "child", "child_out", "render")}
+    raw = {"meta": meta, "cells": {f"{n}/{config}": runs for (n, config), runs in cells.items()}}
     args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
-    print(args.out.read_text())
+    return render(args.out.with_suffix(".json"))
+
+
+def render(path: Path) -> int:
+    """Write the Markdown report beside the results JSON ``path``, and print it."""
+    raw = json.loads(path.read_text())
+    args = argparse.Namespace(**raw["meta"])
+    cells = {(int(key.split("/")[0]), key.split("/")[1]): runs for key, runs in raw["cells"].items()}
+    out = path.with_suffix(".md")
+    out.write_text(build_markdown(cells, args))
+    print(out.read_text())
     return 0
 
 

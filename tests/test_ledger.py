@@ -65,6 +65,7 @@ def _play(state: LedgerState, holder: int = 1) -> tuple[int, int] | None:
 
 
 # ----------------------------------------------------------------------------- the bookkeeping
+@pytest.mark.compat
 def test_each_index_once_per_epoch_in_the_samplers_order() -> None:
     state = LedgerState(10, shuffle=True, seed=3, epochs=2)
     played = []
@@ -78,6 +79,7 @@ def test_each_index_once_per_epoch_in_the_samplers_order() -> None:
     assert state.exhausted() and state.duplicates == 0 and state.coverage(1) == 1.0
 
 
+@pytest.mark.compat
 def test_a_lost_item_goes_to_the_front_and_completes_in_its_own_epoch() -> None:
     state = LedgerState(4, shuffle=False, seed=0, epochs=2)
     for holder in (1, 2, 3, 4):  # every item of epoch 0 is held
@@ -91,6 +93,7 @@ def test_a_lost_item_goes_to_the_front_and_completes_in_its_own_epoch() -> None:
     assert state.duplicates == 0
 
 
+@pytest.mark.compat
 def test_an_item_lost_quarantine_after_times_is_skipped_for_the_rest_of_the_run() -> None:
     state = LedgerState(3, shuffle=False, seed=0, epochs=2, quarantine_after=2)
     _play(state, 1)
@@ -104,6 +107,7 @@ def test_an_item_lost_quarantine_after_times_is_skipped_for_the_rest_of_the_run(
     assert state.coverage(0) == state.coverage(1) == 1.0 and state.exhausted()
 
 
+@pytest.mark.compat
 def test_a_resumed_state_continues_the_epoch_without_repeating() -> None:
     state = LedgerState(12, shuffle=True, seed=5, epochs=1)
     first = [_play(state, 1) for _ in range(5)]  # 4 completed, the 5th held at the save
@@ -119,6 +123,7 @@ def test_a_resumed_state_continues_the_epoch_without_repeating() -> None:
     assert resumed.completed_in(0) == frozenset(range(12)) and resumed.duplicates == 0
 
 
+@pytest.mark.compat
 def test_load_state_dict_refuses_another_dataset_or_a_started_state() -> None:
     saved = LedgerState(5, seed=0).state_dict()
     with pytest.raises(ValueError, match="5 episodes; this one has 6"):
@@ -183,6 +188,7 @@ def test_an_episode_whose_load_raises_is_quarantined_named_once_and_the_run_goes
     assert len(named) == 1 and "episode 3 (/logs/episode-003.bin)" in named[0], named
 
 
+@pytest.mark.compat
 def test_an_episode_that_kills_its_reader_is_quarantined_after_two_losses(
     ledger_log: Callable[[], list[str]],
 ) -> None:
@@ -225,6 +231,7 @@ def test_a_closed_ledger_says_so_and_pickles_into_a_client() -> None:
         ledger.next()
 
 
+@pytest.mark.compat
 def test_epochs_end_with_a_clear_signal() -> None:
     with EpisodeLedger(Episodes(2), num_readers=1, seed=0, epochs=1) as ledger:
         ledger.next(), ledger.next()
@@ -269,6 +276,26 @@ def test_two_epochs_each_episode_once_while_a_worker_is_killed_mid_episode(metho
             assert index in ledger.completed_in(epoch), "the killed episode completed in its epoch"
         assert ledger.completed_in(0) == ledger.completed_in(1) == frozenset(range(24))
         assert stats["duplicates"] == 0 and stats["requeued"] == 2 and stats["served"] == 50
+    finally:
+        env.close(raise_if_closed=False)
+        ledger.close()
+
+
+@pytest.mark.parametrize("method", ["preloaded", "fork"])
+def test_recycled_workers_complete_the_episodes_they_played(method: str) -> None:
+    """``recycle_every=2``: every worker retires at an episode boundary, its last episode played
+    to the end, and closes: that episode completes; none is replayed."""
+    ledger = EpisodeLedger(Episodes(12), num_readers=2, seed=0, epochs=2)
+    env = ManagedParallelEnv(
+        3, make_ledger_env, create_env_kwargs={"episodes": ledger}, recycle_every=2, **start_kwargs(method)
+    )
+    try:
+        _play_until_finished(env, ledger)
+        assert env.stats()["recycles"] >= 3
+        env.close()
+        stats = ledger.stats()
+        assert ledger.completed_in(0) == ledger.completed_in(1) == frozenset(range(12))
+        assert stats["duplicates"] == 0 and stats["requeued"] == 0 and stats["served"] == 24
     finally:
         env.close(raise_if_closed=False)
         ledger.close()

@@ -54,7 +54,8 @@ from ._readers import (
     ReaderPool,
     Supervised,
     acquire_reaper,
-    describe_failure,
+    describe_episode,
+    describe_error,
     episode_path,
     owner_tag,
     release_reaper,
@@ -239,7 +240,7 @@ class _Service:
             "torchrl_ext ledger: reader pid %d died (%s) loading %s; started pid %d",
             reader.pid,
             how,
-            describe_failure(self.dataset, item[1], RuntimeError("its reader died")),
+            describe_episode(self.dataset, item[1]),
             fresh.pid,
         )
 
@@ -377,11 +378,9 @@ class _Service:
         self.cond.notify_all()
 
     def _quarantined(self, index: int, why: str) -> None:
-        where = episode_path(self.dataset, index)
         _logger.warning(
-            "torchrl_ext ledger: episode %d%s is quarantined for the rest of the run: %s",
-            index,
-            f" ({where})" if where else "",
+            "torchrl_ext ledger: %s is quarantined for the rest of the run: %s",
+            describe_episode(self.dataset, index),
             why,
         )
 
@@ -568,7 +567,7 @@ class LedgerClient:
             except Exception as err:
                 if path is not None:
                     raise
-                reply = self._ask("failed", describe_failure(self._dataset, index, err))
+                reply = self._ask("failed", describe_error(err))
                 continue
             self.epoch = epoch
             self._waited = time.perf_counter() - started

@@ -11,7 +11,7 @@ A reader's whole protocol, on its end of a pipe::
     parent -> reader   (item, index, path)      load dataset[index], torch.save it to path
                        None                     exit
     reader -> parent   ("ok", item, nbytes)     path is complete
-                       ("error", item, why)     dataset[index] raised; why names it
+                       ("error", item, why)     dataset[index] raised: "ValueError: ..."
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ __all__ = [
     "ReaderPool",
     "Supervised",
     "acquire_reaper",
-    "describe_failure",
+    "describe_episode",
+    "describe_error",
     "episode_path",
     "owner_tag",
     "release_reaper",
@@ -73,10 +74,15 @@ def episode_path(dataset: Any, index: int) -> str | None:
         return None
 
 
-def describe_failure(dataset: Any, index: int, err: BaseException) -> str:
-    """``dataset[index]`` raised ``err``: one line that names the episode and the error."""
+def describe_episode(dataset: Any, index: int) -> str:
+    """``episode 3 (/logs/ep3.bin)``: the index, and the path where the dataset names it."""
     where = episode_path(dataset, index)
-    return f"episode {index}{f' ({where})' if where else ''}: {type(err).__name__}: {err}"
+    return f"episode {index}{f' ({where})' if where else ''}"
+
+
+def describe_error(err: BaseException) -> str:
+    """Why a load failed, in one line: ``ValueError: truncated log``."""
+    return f"{type(err).__name__}: {err}"
 
 
 def owner_tag() -> str:
@@ -142,7 +148,7 @@ def _reader_main(dataset: Any, conn: Connection, nice: int | None, supervised: S
             os.replace(part, path)
             conn.send(("ok", item, os.path.getsize(path)))
         except Exception as err:
-            conn.send(("error", item, describe_failure(dataset, index, err)))
+            conn.send(("error", item, describe_error(err)))
 
 
 @dataclass
