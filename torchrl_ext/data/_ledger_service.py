@@ -1,0 +1,468 @@
+"""The episode ledger's own process: the bookkeeping, the socket workers connect to, the readers.
+
+Data flow (every arrow is a pickled message; episodes go through spool files)::
+
+    env worker (any process)           the ledger's process                      readers
+    ------------------------           --------------------                      -------
+    LedgerClient.next() --("next")---> a thread per connection
+                                       LedgerState, pending loads (one lock)
+    torch.load(path, mmap=True) <----- ("episode", epoch, index, path)
+                                       dispatcher thread ---(item, index, path)---> reader k
+                                                         <---("ok", item, nbytes)--  torch.save
+                                                                                     to path
+
+A connection is one worker process. Its lease is the episode it plays; the lease completes when
+the same connection asks for its next episode or closes, and is lost when the connection ends
+without closing or its process (pid and create time) is gone, checked every ``PEER_CHECK``
+seconds. A lost episode goes back to the front of the queue; at ``quarantine_after`` losses, or
+at the first load that raises, the episode is quarantined. Failure is decided in one place per
+side: ``_Service._serve`` for workers, ``_Service._on_reader`` for readers.
+
+The owner (``EpisodeLedger``) talks to this process through one control pipe: ``(method, args)``
+in, ``("ok", value)`` or ``("raise", exception)`` out; ``close`` ends it, and so does the
+owner's death.
+
+The messages of a worker's connection, all tuples::
+
+    worker -> ledger   ("hello", pid, create_time, read_bytes)     first, once
+                       ("next", read_bytes, waited_s, None)         complete mine, give the next
+                       ("failed", read_bytes, waited_s, why)        dataset[index] raised here
+                       ("close", read_bytes, None, None)            complete mine, goodbye
+    ledger -> worker   ("episode", epoch, index, path | None)       path None: load it yourself
+                       ("exhausted", message)                       epochs are all handed out
+                       ("closed",) / ("bye",)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing import AuthenticationError, connection
+from multiprocessing.connection import Connection
+from typing import Any, Literal
+
+from .. import _identity
+from ._ledger_state import Item, LedgerState
+from ._readers import Reader, ReaderPool, Supervised, describe_episode, episode_path
+
+__all__ = ["Plan", "serve"]
+
+_logger = logging.getLogger("torchrl_ext")
+
+#: Seconds between checks that a connected worker's process still exists.
+PEER_CHECK = 0.5
+#: Latest data waits kept for the p50/p95 in ``stats()``.
+WAIT_WINDOW = 1024
+
+
+LoadStatus = Literal["loading", "ready", "failed"]
+
+
+@dataclass
+class _Load:
+    """A pending item's load."""
+
+    status: LoadStatus  # loading -> ready | failed; the dispatcher writes (ready at once: no readers)
+    path: str | None = None  # the spool file once ready (None: the worker loads it itself)
+    error: str = ""  # why it failed
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _will_need(path: str | None) -> None:
+    """Ask the kernel to start reading ``path`` (a file, or every file of a directory)."""
+    if path is None or not hasattr(os, "posix_fadvise"):
+        return
+    files = [path]
+    if os.path.isdir(path):
+        files = [os.path.join(root, name) for root, _dirs, names in os.walk(path) for name in names]
+    for name in files:
+        try:
+            fd = os.open(name, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+class _Service:
+    """The ledger's process side: the state, the listener, the readers and their threads. It
+    runs in the ledger's own process (``_service_main``), never in the owner's, so a busy
+    trainer holding its GIL never delays a worker's ``next()``."""
+
+    def __init__(self, dataset: Any, state: LedgerState, plan: Plan, supervised: Supervised) -> None:
+        self.dataset = dataset  # fixed
+        self.state = state  # guarded by ``cond``
+        self.plan = plan  # fixed
+        self.cond = threading.Condition()  # guards every field below that is not fixed
+        self.spool = os.path.join(plan.dir, "spool")  # fixed: the readers' output
+        self.loads: dict[Item, _Load] = {}  # pending item -> its load; _fill/_on_reader/_hand_out
+        self.queue: deque[tuple[Item, int]] = deque()  # (item, try) waiting for an idle reader
+        self.tries = itertools.count()  # names spool files uniquely
+        self.waits: deque[float] = deque(maxlen=WAIT_WINDOW)  # seconds each next() waited
+        self.peer_bytes: dict[int, int] = {}  # holder -> read_bytes of its process since it connected
+        self.gone_bytes = 0  # the same, of workers that left
+        self.holders = itertools.count(1)  # connection ids
+        self.connections: dict[int, Connection] = {}  # holder -> its live connection
+        self.closing = False  # set once by close(); every thread exits on it
+        self.error: BaseException | None = None  # the readers' start failed
+        self.threads: list[threading.Thread] = []  # fixed once started
+        self.pool = (  # fixed; None with num_readers=0
+            ReaderPool(dataset, plan.num_readers, plan.context, plan.reader_nice, supervised)
+            if plan.num_readers
+            else None
+        )
+        os.mkdir(self.spool)
+        self.listener = connection.Listener(plan.address, family="AF_UNIX", authkey=plan.authkey)
+        started = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._dispatch_loop, args=(started,), name="torchrl_ext-ledger-readers"),
+            threading.Thread(target=self._accept_loop, name="torchrl_ext-ledger-accept"),
+        ]
+        for thread in self.threads:
+            thread.daemon = True
+            thread.start()
+        started.wait()
+        if self.error is not None:
+            self.close()
+            raise self.error
+
+    # -- readers ------------------------------------------------------------------------------
+    def _dispatch_loop(self, started: threading.Event) -> None:
+        try:
+            if self.pool is not None:
+                self.pool.start()  # from this thread, which outlives the readers
+        except BaseException as err:
+            self.error = err
+            return
+        finally:
+            started.set()
+        while not self.closing:
+            pool = self.pool
+            if pool is None:
+                with self.cond:
+                    self.cond.wait(PEER_CHECK)
+                continue
+            with self.cond:
+                waitables = pool.waitables()
+            ready = connection.wait(waitables, timeout=PEER_CHECK)
+            with self.cond:
+                if self.closing:
+                    return
+                for reader in list(pool.readers):
+                    if reader.conn in ready:
+                        self._on_reader(reader)
+                    if reader.process.sentinel in ready and reader.conn not in ready:
+                        self._on_reader(reader)
+                self._dispatch()
+                self.cond.notify_all()
+
+    def _on_reader(self, reader: Reader) -> None:
+        """One reader has a result, or is gone: the one place a reader's fate is decided."""
+        assert self.pool is not None
+        try:
+            kind, item, detail = reader.conn.recv()
+        except (EOFError, OSError):
+            self._reader_died(reader)
+            return
+        reader.task = None
+        load = self.loads.get(item)
+        if load is None:  # its item was decided meanwhile (the ledger's state was reloaded)
+            return
+        if kind == "ok":
+            load.status = "ready"  # at the path named when the task was sent
+        else:
+            load.status, load.error = "failed", str(detail)
+
+    def _reader_died(self, reader: Reader) -> None:
+        assert self.pool is not None
+        task, reader.task = reader.task, None
+        fresh = self.pool.replace(reader)
+        how = self.pool.exit_description(reader)
+        if task is None:
+            _logger.warning(
+                "torchrl_ext ledger: reader pid %d died (%s); started pid %d", reader.pid, how, fresh.pid
+            )
+            return
+        item, _path = task
+        kept = self.state.lose_pending(item)
+        if kept is None:
+            self.loads.pop(item, None)
+            self._quarantined(item[1], self.state.quarantined[item[1]])
+        else:
+            self.queue.appendleft((item, next(self.tries)))
+        _logger.warning(
+            "torchrl_ext ledger: reader pid %d died (%s) loading %s; started pid %d",
+            reader.pid,
+            how,
+            describe_episode(self.dataset, item[1]),
+            fresh.pid,
+        )
+
+    def _dispatch(self) -> None:
+        """Give queued loads to idle readers."""
+        if self.pool is None:
+            return
+        for reader in self.pool.idle():
+            if not self.queue:
+                return
+            item, attempt = self.queue.popleft()
+            path = os.path.join(self.spool, f"{item[0]}-{item[1]}-{attempt}.pt")
+            try:
+                reader.conn.send((item, item[1], path))
+            except OSError:  # it died: its sentinel says so next
+                self.queue.appendleft((item, attempt))
+                continue
+            reader.task = (item, path)
+            self.loads[item].path = path
+
+    def _fill(self) -> None:
+        """Keep ``prefetch`` items pending per connected worker, their loads started: workers of
+        a batched env reset together, and each should find its episode ready."""
+        depth = self.plan.prefetch * max(1, len(self.connections))
+        while len(self.state.pending) < depth:
+            item = self.state.take()
+            if item is None:
+                return
+            if self.pool is None:
+                self.loads[item] = _Load("ready")
+                _will_need(episode_path(self.dataset, item[1]))
+            else:
+                self.loads[item] = _Load("loading")
+                self.queue.append((item, next(self.tries)))
+        self._dispatch()
+
+    # -- workers ------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self.closing:
+            try:
+                conn = self.listener.accept()
+            except (OSError, EOFError, AuthenticationError):
+                if self.closing:
+                    return
+                continue
+            if self.closing:
+                conn.close()
+                return
+            holder = next(self.holders)
+            thread = threading.Thread(
+                target=self._serve, args=(conn, holder), name=f"torchrl_ext-ledger-{holder}", daemon=True
+            )
+            thread.start()
+
+    def _serve(self, conn: Connection, holder: int) -> None:
+        """One worker's connection: the one place its lease is completed or lost."""
+        closed = False
+        pid = -1
+        try:
+            _hello, pid, ctime, baseline = conn.recv()
+            with self.cond:
+                self.connections[holder] = conn
+            while not self.closing:
+                if not conn.poll(PEER_CHECK):
+                    if not _identity.running(pid, ctime):
+                        break
+                    continue
+                kind, read_bytes, waited, detail = conn.recv()
+                with self.cond:
+                    self.peer_bytes[holder] = read_bytes - baseline
+                    if waited is not None:
+                        self.waits.append(waited)
+                    if kind == "close":
+                        self.state.complete(holder)
+                        closed = True
+                        conn.send(("bye",))
+                        return
+                    if kind == "failed":  # the worker's own dataset[index] raised
+                        self._reject(holder, str(detail))
+                    reply = self._hand_out(holder)
+                conn.send(reply)
+        except (EOFError, OSError):
+            pass
+        finally:
+            with self.cond:
+                self.connections.pop(holder, None)
+                self.gone_bytes += self.peer_bytes.pop(holder, 0)
+                if not closed and not self.closing:
+                    self._lost(holder, pid)
+            conn.close()
+
+    def _hand_out(self, holder: int) -> tuple[Any, ...]:
+        """Complete ``holder``'s episode and lease it the next one (called with the lock)."""
+        self.state.complete(holder)
+        while True:
+            self._fill()
+            if not self.state.pending:
+                return ("exhausted", self._exhausted_message())
+            item = self.state.pending[0]
+            load = self.loads[item]
+            if load.status == "failed":
+                del self.loads[item]
+                self.state.quarantine(item, load.error)
+                self._quarantined(item[1], load.error)
+                continue
+            if load.status == "ready":
+                del self.loads[item]
+                self.state.lease(holder)
+                return ("episode", item[0], item[1], load.path)
+            self.cond.wait(PEER_CHECK)
+            if self.closing:
+                return ("closed",)
+
+    def _reject(self, holder: int, why: str) -> None:
+        item = self.state.leases.pop(holder, None)
+        if item is not None:
+            self.state.quarantined.setdefault(item[1], why)
+            self._quarantined(item[1], why)
+
+    def _lost(self, holder: int, pid: int) -> None:
+        item = self.state.leases.get(holder)
+        if item is None:
+            return
+        kept = self.state.lose(holder)
+        if kept is None:
+            self._quarantined(item[1], self.state.quarantined[item[1]])
+        else:
+            _logger.info(
+                "torchrl_ext ledger: worker pid %d is gone with episode %d of epoch %d; it goes back "
+                "to the front of the queue",
+                pid,
+                item[1],
+                item[0],
+            )
+        self.cond.notify_all()
+
+    def _quarantined(self, index: int, why: str) -> None:
+        _logger.warning(
+            "torchrl_ext ledger: %s is quarantined for the rest of the run: %s",
+            describe_episode(self.dataset, index),
+            why,
+        )
+
+    def _exhausted_message(self) -> str:
+        return (
+            f"every episode of the ledger's {self.state.epochs} epoch(s) was handed out "
+            f"({self.state.done} completed, {len(self.state.leases)} still played, "
+            f"{len(self.state.quarantined)} quarantined)"
+        )
+
+    # -- the owner's view -----------------------------------------------------------------------
+    def _stats(self) -> dict[str, float | int]:
+        state, pool = self.state, self.pool
+        waits = list(self.waits)
+        worker_bytes = self.gone_bytes + sum(self.peer_bytes.values())
+        return {
+            "epoch": state.current,
+            "served": state.served,
+            "completed": state.done,
+            "in_flight": len(state.leases),
+            "requeued": state.requeued,
+            "quarantined": len(state.quarantined),
+            "duplicates": state.duplicates,
+            "coverage": state.coverage(state.current),
+            "readers": 0 if pool is None else len(pool.readers),
+            "readers_alive": 0 if pool is None else pool.alive(),
+            "reader_restarts": 0 if pool is None else pool.restarts,
+            "workers_connected": len(self.connections),
+            "data_wait_ms_p50": 1000 * _percentile(waits, 0.5),
+            "data_wait_ms_p95": 1000 * _percentile(waits, 0.95),
+            "read_bytes": worker_bytes + (0 if pool is None else pool.read_bytes()),
+        }
+
+    def close(self) -> None:
+        with self.cond:
+            if self.closing:
+                return
+            self.closing = True
+            self.cond.notify_all()
+            for conn in self.connections.values():
+                try:
+                    conn.close()
+                except OSError:
+                    pass
+        try:  # wake the accept loop
+            connection.Client(self.plan.address, family="AF_UNIX", authkey=self.plan.authkey).close()
+        except (OSError, EOFError):
+            pass
+        self.listener.close()
+        for thread in self.threads:
+            thread.join(5.0)
+        if self.pool is not None:
+            self.pool.close()
+
+    def call(self, method: str, args: tuple[Any, ...]) -> Any:
+        """What the owner asks for over the control pipe."""
+        with self.cond:
+            if method == "stats":
+                return self._stats()
+            if method == "load_state_dict":
+                self.state.load_state_dict(*args)
+                self.loads.clear()
+                self.queue.clear()
+                return None
+            if method == "finished":
+                return self.state.exhausted()
+            if method == "quarantined":
+                return dict(self.state.quarantined)
+            if method == "pids":
+                return [os.getpid(), *(r.pid for r in (self.pool.readers if self.pool else ()))]
+            result = getattr(self.state, method)(*args)  # state_dict, completed_in
+            return result
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the ledger's process is started with, beside the dataset and the state."""
+
+    dir: str  # the ledger's directory, inside the owner's runtime directory
+    address: str  # the Unix socket workers connect to
+    authkey: bytes  # what they authenticate with
+    num_readers: int
+    prefetch: int
+    context: str | None  # how the ledger's process and its readers start
+    reader_nice: int | None
+
+
+def serve(dataset: Any, state: LedgerState, plan: Plan, control: Connection, supervised: Supervised) -> None:
+    """The ledger's process: serve until the owner says close, or is gone."""
+    supervised.enter()
+    parent = supervised.parent
+    try:
+        service = _Service(dataset, state, plan, supervised)
+    except BaseException as err:
+        control.send(("error", f"{type(err).__name__}: {err}"))
+        return
+    control.send(("ok", None))
+    try:
+        while True:
+            if not control.poll(PEER_CHECK):
+                if os.getppid() != parent:
+                    return
+                continue
+            try:
+                method, args = control.recv()
+            except (EOFError, OSError):
+                return
+            if method == "close":
+                service.close()
+                control.send(("ok", None))
+                return
+            try:
+                control.send(("ok", service.call(method, args)))
+            except Exception as err:
+                control.send(("raise", err))
+    finally:
+        service.close()
