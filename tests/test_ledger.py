@@ -108,6 +108,15 @@ def test_an_item_lost_quarantine_after_times_is_skipped_for_the_rest_of_the_run(
 
 
 @pytest.mark.compat
+def test_quarantine_drops_the_copies_of_other_epochs_already_taken() -> None:
+    state = LedgerState(2, shuffle=False, seed=0, epochs=2, quarantine_after=1)
+    assert [state.take() for _ in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    state.lease(1)
+    assert state.lose(1) is None and 0 in state.quarantined
+    assert list(state.pending) == [(0, 1), (1, 1)], "epoch 1's copy of episode 0 is not handed out"
+
+
+@pytest.mark.compat
 def test_a_resumed_state_continues_the_epoch_without_repeating() -> None:
     state = LedgerState(12, shuffle=True, seed=5, epochs=1)
     first = [_play(state, 1) for _ in range(5)]  # 4 completed, the 5th held at the save
@@ -276,6 +285,28 @@ def test_two_epochs_each_episode_once_while_a_worker_is_killed_mid_episode(metho
             assert index in ledger.completed_in(epoch), "the killed episode completed in its epoch"
         assert ledger.completed_in(0) == ledger.completed_in(1) == frozenset(range(24))
         assert stats["duplicates"] == 0 and stats["requeued"] == 2 and stats["served"] == 50
+    finally:
+        env.close(raise_if_closed=False)
+        ledger.close()
+
+
+@pytest.mark.parametrize("method", ALL_STARTS[:2])
+def test_an_episode_that_kills_every_worker_loading_it_is_quarantined_and_the_run_goes_on(method: str) -> None:
+    """``num_readers=0``: workers load episodes themselves, and episode 5 SIGKILLs whoever
+    loads it. Two workers die with it (``max_restarts`` replaces them); then it is quarantined
+    and every other episode of both epochs is played once."""
+    ledger = EpisodeLedger(Episodes(12, crash=(5,)), num_readers=0, seed=0, epochs=2)
+    env = ManagedParallelEnv(
+        3, make_ledger_env, create_env_kwargs={"episodes": ledger}, max_restarts=4, **start_kwargs(method)
+    )
+    try:
+        _play_until_finished(env, ledger)
+        env.close()
+        stats = ledger.stats()
+        assert len(env.restarts) == 2 and "lost in flight 2 times" in ledger.quarantined()[5]
+        rest = frozenset(range(12)) - {5}
+        assert ledger.completed_in(0) == ledger.completed_in(1) == rest
+        assert stats["duplicates"] == 0 and stats["quarantined"] == 1 and stats["coverage"] == 1.0
     finally:
         env.close(raise_if_closed=False)
         ledger.close()

@@ -297,6 +297,21 @@ class EpisodeLedger(Closing):
     def __reduce__(self) -> tuple[Any, ...]:
         return self._client.__reduce__()
 
+    def client(self) -> LedgerClient:
+        """A handle of its own: one episode held per handle and process. Give one to each env
+        that shares a process with others (the envs of a ``SerialEnv``, say); across processes
+        the ledger itself is enough.
+
+        Example:
+            >>> import torch
+            >>> with EpisodeLedger([torch.zeros(2)] * 3, num_readers=0, epochs=1) as ledger:
+            ...     a, b = ledger.client(), ledger.client()
+            ...     held = a.next()[0], b.next()[0]  # each holds one
+            ...     sorted(held + (ledger.next()[0],))
+            [0, 1, 2]
+        """
+        return LedgerClient(*self._client.__reduce__()[1])
+
     def next(self) -> tuple[int, Any]:
         """:meth:`LedgerClient.next` for this process."""
         return self._client.next()

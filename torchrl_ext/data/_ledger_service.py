@@ -71,6 +71,13 @@ class _Load:
     error: str = ""  # why it failed
 
 
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def _percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -109,7 +116,9 @@ class _Service:
         self.plan = plan  # fixed
         self.cond = threading.Condition()  # guards every field below that is not fixed
         self.spool = os.path.join(plan.dir, "spool")  # fixed: the readers' output
-        self.loads: dict[Item, _Load] = {}  # pending item -> its load; _fill/_on_reader/_hand_out
+        self.loads: dict[
+            Item, _Load
+        ] = {}  # pending item -> its load; _fill, _on_reader, _hand_out, _quarantined
         self.queue: deque[tuple[Item, int]] = deque()  # (item, try) waiting for an idle reader
         self.tries = itertools.count()  # names spool files uniquely
         self.waits: deque[float] = deque(maxlen=WAIT_WINDOW)  # seconds each next() waited
@@ -178,9 +187,11 @@ class _Service:
         except (EOFError, OSError):
             self._reader_died(reader)
             return
-        reader.task = None
+        task, reader.task = reader.task, None
         load = self.loads.get(item)
-        if load is None:  # its item was decided meanwhile (the ledger's state was reloaded)
+        if load is None:  # its item was dropped meanwhile (quarantined, or the state reloaded)
+            if kind == "ok" and task is not None:
+                _unlink(task[1])
             return
         if kind == "ok":
             load.status = "ready"  # at the path named when the task was sent
@@ -323,9 +334,8 @@ class _Service:
                 return ("closed",)
 
     def _reject(self, holder: int, why: str) -> None:
-        item = self.state.leases.pop(holder, None)
+        item = self.state.reject(holder, why)
         if item is not None:
-            self.state.quarantined.setdefault(item[1], why)
             self._quarantined(item[1], why)
 
     def _lost(self, holder: int, pid: int) -> None:
@@ -346,6 +356,13 @@ class _Service:
         self.cond.notify_all()
 
     def _quarantined(self, index: int, why: str) -> None:
+        """An index was quarantined: drop the loads of its other copies, and say so once."""
+        pending = set(self.state.pending)
+        for item, load in self.loads.items():
+            if item not in pending and load.status == "ready" and load.path is not None:
+                _unlink(load.path)
+        self.loads = {item: load for item, load in self.loads.items() if item in pending}
+        self.queue = deque(entry for entry in self.queue if entry[0] in pending)
         _logger.warning(
             "torchrl_ext ledger: %s is quarantined for the rest of the run: %s",
             describe_episode(self.dataset, index),
@@ -353,10 +370,13 @@ class _Service:
         )
 
     def _exhausted_message(self) -> str:
+        state = self.state
+        if len(state.quarantined) >= state.num_episodes:
+            return f"every episode of the ledger is quarantined ({state.num_episodes}): see quarantined()"
         return (
-            f"every episode of the ledger's {self.state.epochs} epoch(s) was handed out "
-            f"({self.state.done} completed, {len(self.state.leases)} still played, "
-            f"{len(self.state.quarantined)} quarantined)"
+            f"every episode of the ledger's {state.epochs} epoch(s) was handed out "
+            f"({state.done} completed, {len(state.leases)} still played, "
+            f"{len(state.quarantined)} quarantined)"
         )
 
     # -- the owner's view -----------------------------------------------------------------------

@@ -131,16 +131,17 @@ class LedgerState:
         index = item[1]
         self.losses[index] += 1
         if self.losses[index] >= self.quarantine_after:
-            self.pending.remove(item)
-            self.quarantined[index] = f"its load was lost {self.losses[index]} times"
+            self._skip(index, f"its load was lost {self.losses[index]} times")
             return None
         return item
 
     def _requeue(self, item: Item, what: str) -> Item | None:
         index = item[1]
         self.losses[index] += 1
+        if index in self.quarantined:  # another epoch's copy was quarantined meanwhile
+            return None
         if self.losses[index] >= self.quarantine_after:
-            self.quarantined[index] = f"{what} {self.losses[index]} times"
+            self._skip(index, f"{what} {self.losses[index]} times")
             return None
         self.front.appendleft(item)
         self.requeued += 1
@@ -148,8 +149,21 @@ class LedgerState:
 
     def quarantine(self, item: Item, reason: str) -> None:
         """A pending item cannot be loaded: skip its index for the rest of the run."""
-        self.pending.remove(item)
-        self.quarantined.setdefault(item[1], reason)
+        self._skip(item[1], reason)
+
+    def reject(self, holder: int, reason: str) -> Item | None:
+        """``holder`` could not load the item it was leased: skip its index for the rest of the run."""
+        item = self.leases.pop(holder, None)
+        if item is not None:
+            self._skip(item[1], reason)
+        return item
+
+    def _skip(self, index: int, reason: str) -> None:
+        """The one place an index is quarantined: no epoch hands it out again, the copies
+        already taken or requeued included."""
+        self.quarantined.setdefault(index, reason)
+        self.pending = deque(item for item in self.pending if item[1] != index)
+        self.front = deque(item for item in self.front if item[1] != index)
 
     # -- what the ledger reports -----------------------------------------------------------
     def coverage(self, epoch: int) -> float:
