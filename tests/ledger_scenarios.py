@@ -3,20 +3,26 @@
 The owner builds a ledger with 2 readers and a ``ManagedParallelEnv`` of 2 workers that replay
 it, steps until every process exists, writes ``--ready`` (its pid, the ledger's processes),
 then steps forever: the test ends it (SIGKILL, SIGTERM, SIGINT) or, for ``exit_without_close``,
-it returns from ``main`` with nothing closed.
+it returns from ``main`` with nothing closed (and must then exit by itself).
 """
 
 from __future__ import annotations
 
-import argparse
-import signal
+import tempfile
 
-import psutil
+# A weakref.finalize registered before multiprocessing is imported, as many programs have one:
+# interpreter exit then runs multiprocessing's join of the children before such finalizers.
+_EARLY = tempfile.TemporaryDirectory()
 
-from tests.ledger_envs import Episodes, make_ledger_env
-from tests.scenarios import _ready
-from torchrl_ext import ManagedParallelEnv
-from torchrl_ext.data import EpisodeLedger
+import argparse  # noqa: E402
+import signal  # noqa: E402
+
+import psutil  # noqa: E402
+
+from tests.ledger_envs import Episodes, make_ledger_env  # noqa: E402
+from tests.scenarios import _ready  # noqa: E402
+from torchrl_ext import ManagedParallelEnv  # noqa: E402
+from torchrl_ext.data import EpisodeLedger  # noqa: E402
 
 LEDGER = None  # kept globally, as users keep them
 ENV = None

@@ -18,7 +18,6 @@ import shutil
 import tempfile
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Sized
 from multiprocessing import connection, util
 from multiprocessing.connection import Connection
@@ -38,6 +37,10 @@ __all__ = ["EpisodeLedger", "EpochsExhausted", "LedgerClient", "LedgerClosedErro
 
 #: Seconds the ledger's process gets to close before SIGKILL.
 _CLOSE_WAIT = 5.0
+#: Seconds a closing handle waits for the ledger to take note.
+_GOODBYE_WAIT = 2.0
+#: Seconds the owner waits for an answer of the ledger's process before it gives up on it.
+_ANSWER_WAIT = 60.0
 #: Longest Unix socket path Linux accepts (``sun_path`` less its terminator).
 _MAX_SOCKET_PATH = 107
 
@@ -73,6 +76,7 @@ class LedgerClient:
         self._pid = -1  # the process ``_conn`` belongs to
         self._waited: float | None = None  # the last next()'s wait, sent with the following one
         self.epoch = -1  # the epoch of the episode this process holds (-1: none yet)
+        self._lock = threading.Lock()  # one exchange at a time on the connection
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (LedgerClient, (self._address, self._authkey, self._dataset))
@@ -94,13 +98,17 @@ class LedgerClient:
         return self._conn
 
     def _ask(self, kind: str, detail: Any = None) -> tuple[Any, ...]:
-        conn = self._connection()
-        try:
-            conn.send((kind, _read_bytes(), self._waited, detail))
-            reply: tuple[Any, ...] = conn.recv()
-        except (EOFError, OSError) as err:
-            self._conn = None
-            raise LedgerClosedError("the episode ledger closed, or its process is gone") from err
+        with self._lock:
+            conn = self._connection()
+            try:
+                conn.send((kind, _read_bytes(), self._waited, detail))
+                reply: tuple[Any, ...] = conn.recv()
+            except BaseException as err:  # an interrupted exchange leaves the connection unusable
+                self._conn = None
+                conn.close()
+                if isinstance(err, (EOFError, OSError)):
+                    raise LedgerClosedError("the episode ledger closed, or its process is gone") from err
+                raise
         return reply
 
     def next(self) -> tuple[int, Any]:
@@ -119,9 +127,7 @@ class LedgerClient:
             _kind, epoch, index, path = reply
             try:
                 episode = self._load(index, path)
-            except Exception as err:
-                if path is not None:
-                    raise
+            except Exception as err:  # the episode cannot be loaded here: quarantined, next one
                 reply = self._ask("failed", describe_error(err))
                 continue
             self.epoch = epoch
@@ -131,10 +137,10 @@ class LedgerClient:
     def _load(self, index: int, path: str | None) -> Any:
         if path is None:
             return self._dataset[index]
-        # Mapped, not read: tensors share the page cache's pages (copy-on-write).
-        episode = torch.load(path, mmap=True, weights_only=False)
-        os.unlink(path)
-        return episode
+        try:  # mapped, not read: tensors share the page cache's pages (copy-on-write)
+            return torch.load(path, mmap=True, weights_only=False)
+        finally:
+            os.unlink(path)
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         """``(index, episode)`` until the ledger's epochs are exhausted."""
@@ -156,7 +162,8 @@ def _say_goodbye(conn: Connection, pid: int) -> None:
         return
     try:
         conn.send(("close", _read_bytes(), None, None))
-        conn.recv()
+        if conn.poll(_GOODBYE_WAIT):
+            conn.recv()
     except (EOFError, OSError):
         pass
     conn.close()
@@ -177,11 +184,11 @@ class EpisodeLedger(Closing):
       to the front of the queue. Which worker gets which episode depends on timing; the order
       of handed-out indices, losses aside, does not.
     * **Bounded readers.** ``num_readers`` processes load and parse ahead (``prefetch`` episodes
-      per connected worker),
-      whatever the number of workers; they are children of this process, watched like env
-      workers (nothing is left behind on any exit). ``num_readers=0``: the worker calls
-      ``dataset[index]`` itself (the dataset must then pickle) and the ledger asks the kernel
-      to read ahead the files ``dataset.episode_path(index)`` names.
+      per connected worker), whatever the number of workers; they and the ledger's own process
+      (a child of this one) are watched like env workers: nothing is left behind on any exit.
+      ``num_readers=0``: the worker calls ``dataset[index]`` itself (the dataset must then
+      pickle) and the ledger asks the kernel to read ahead the files
+      ``dataset.episode_path(index)`` names.
     * **Quarantine.** An episode whose load raises, or that was lost ``quarantine_after``
       times, is skipped for the rest of the run, logged once with its index (and path).
     * **Epochs.** ``epochs=None`` runs forever; after ``epochs`` epochs ``next()`` raises
@@ -223,6 +230,7 @@ class EpisodeLedger(Closing):
         ctx = multiprocessing.get_context(multiprocessing_context)
         self._owner = os.getpid()  # fixed: only this process closes the ledger
         self._lock = threading.Lock()  # one control call at a time
+        self._asked = 0  # the number of the last control call; _call writes
         # Inside the reaper's directory, which the reaper removes if this process dies.
         fifo = acquire_reaper()
         try:
@@ -246,7 +254,7 @@ class EpisodeLedger(Closing):
             args = (dataset, state, plan, theirs)
             self._process, _key = start_supervised(ctx, serve, args, "torchrl_ext-ledger", fifo, owner_tag())
             theirs.close()
-            kind, detail = self._control.recv()
+            _asked, kind, detail = self._control.recv()
             if kind != "ok":
                 raise RuntimeError(f"the episode ledger's process could not start: {detail}")
         except BaseException:
@@ -255,14 +263,17 @@ class EpisodeLedger(Closing):
             )
             raise
         self._client = LedgerClient(address, plan.authkey, dataset if num_readers == 0 else None)
-        self._finalizer = weakref.finalize(self, self._shutdown, self._process, self._control, directory)
+        # At interpreter exit it runs before multiprocessing joins its children (exitpriority).
+        self._finalizer = util.Finalize(
+            self, self._shutdown, args=(self._process, self._control, directory), exitpriority=10
+        )
 
     @staticmethod
     def _shutdown(process: Any, control: Connection | None, directory: str | None) -> None:
         """Ask the ledger's process to close, wait for it, then let the runtime directory go."""
         if control is not None:
             try:
-                control.send(("close", ()))
+                control.send((-1, "close", ()))
                 control.poll(_CLOSE_WAIT) and control.recv()
             except (EOFError, OSError):
                 pass
@@ -282,13 +293,19 @@ class EpisodeLedger(Closing):
         with self._lock:
             if self._closed:
                 raise LedgerClosedError("the episode ledger is closed")
+            self._asked += 1
             try:
-                self._control.send((method, args))
-                kind, value = self._control.recv()
+                self._control.send((self._asked, method, args))
+                while True:  # answers to calls an interrupt cut short come first: skip them
+                    if not self._control.poll(_ANSWER_WAIT):
+                        raise TimeoutError(f"no answer in {_ANSWER_WAIT:g} s")
+                    asked, kind, value = self._control.recv()
+                    if asked == self._asked:
+                        break
             except (EOFError, OSError) as err:
                 raise LedgerClosedError(
                     f"the episode ledger's process (pid {self._process.pid}) is gone: "
-                    f"{format_exitcode(self._process.exitcode)}"
+                    f"{format_exitcode(self._process.exitcode)} ({err})"
                 ) from err
         if kind == "raise":
             raise value

@@ -18,8 +18,9 @@ seconds. A lost episode goes back to the front of the queue; at ``quarantine_aft
 at the first load that raises, the episode is quarantined. Failure is decided in one place per
 side: ``_Service._serve`` for workers, ``_Service._on_reader`` for readers.
 
-The owner (``EpisodeLedger``) talks to this process through one control pipe: ``(method, args)``
-in, ``("ok", value)`` or ``("raise", exception)`` out; ``close`` ends it, and so does the
+The owner (``EpisodeLedger``) talks to this process through one control pipe: ``(number,
+method, args)`` in, ``(number, "ok", value)`` or ``(number, "raise", exception)`` out (the
+number skips answers to calls an interrupt cut short); ``close`` ends it, and so does the
 owner's death.
 
 The messages of a worker's connection, all tuples::
@@ -126,6 +127,7 @@ class _Service:
         self.gone_bytes = 0  # the same, of workers that left
         self.holders = itertools.count(1)  # connection ids
         self.connections: dict[int, Connection] = {}  # holder -> its live connection
+        self.hints: list[int] = []  # indices to read ahead once the lock is let go; _fill, _serve
         self.closing = False  # set once by close(); every thread exits on it
         self.error: BaseException | None = None  # the readers' start failed
         self.threads: list[threading.Thread] = []  # fixed once started
@@ -167,26 +169,34 @@ class _Service:
                 continue
             with self.cond:
                 waitables = pool.waitables()
-            ready = connection.wait(waitables, timeout=PEER_CHECK)
+            ready = set(connection.wait(waitables, timeout=PEER_CHECK))
             with self.cond:
                 if self.closing:
                     return
-                for reader in list(pool.readers):
-                    if reader.conn in ready:
-                        self._on_reader(reader)
-                    if reader.process.sentinel in ready and reader.conn not in ready:
-                        self._on_reader(reader)
-                self._dispatch()
+                try:
+                    for reader in list(pool.readers):
+                        if reader.conn in ready or reader.process.sentinel in ready:
+                            self._on_reader(reader)
+                    self._replenish(pool)
+                    self._dispatch()
+                except Exception:  # never let the readers' thread die: workers would wait forever
+                    _logger.exception("torchrl_ext ledger: error while serving the readers")
                 self.cond.notify_all()
 
     def _on_reader(self, reader: Reader) -> None:
         """One reader has a result, or is gone: the one place a reader's fate is decided."""
         assert self.pool is not None
-        try:
-            kind, item, detail = reader.conn.recv()
-        except (EOFError, OSError):
-            self._reader_died(reader)
+        message = None
+        if reader.conn.poll(0):  # a result (a whole small message), or EOF
+            try:
+                message = reader.conn.recv()
+            except (EOFError, OSError):
+                message = None
+        if message is None:
+            if not reader.process.is_alive() or reader.conn.closed or reader.conn.poll(0):
+                self._reader_died(reader)
             return
+        kind, item, detail = message
         task, reader.task = reader.task, None
         load = self.loads.get(item)
         if load is None:  # its item was dropped meanwhile (quarantined, or the state reloaded)
@@ -195,39 +205,52 @@ class _Service:
             return
         if kind == "ok":
             load.status = "ready"  # at the path named when the task was sent
+        elif kind == "spool":  # the reader could not write the spool file: load it again
+            self._lost_load(item, f"its spool file could not be written ({detail})")
         else:
             load.status, load.error = "failed", str(detail)
 
     def _reader_died(self, reader: Reader) -> None:
         assert self.pool is not None
         task, reader.task = reader.task, None
-        fresh = self.pool.replace(reader)
+        self.pool.remove(reader)
         how = self.pool.exit_description(reader)
-        if task is None:
-            _logger.warning(
-                "torchrl_ext ledger: reader pid %d died (%s); started pid %d", reader.pid, how, fresh.pid
-            )
+        what = "" if task is None else f" loading {describe_episode(self.dataset, task[0][1])}"
+        _logger.warning("torchrl_ext ledger: reader pid %d died (%s)%s", reader.pid, how, what)
+        if task is not None:
+            self._lost_load(task[0], "its reader died")
+
+    def _lost_load(self, item: Item, why: str) -> None:
+        """A pending item's load was lost: load it again, or quarantine it at its last loss."""
+        if item not in self.loads:  # dropped meanwhile
             return
-        item, _path = task
-        kept = self.state.lose_pending(item)
-        if kept is None:
+        if self.state.lose_pending(item, why) is None:
             self.loads.pop(item, None)
             self._quarantined(item[1], self.state.quarantined[item[1]])
         else:
+            self.loads[item] = _Load("loading")
             self.queue.appendleft((item, next(self.tries)))
-        _logger.warning(
-            "torchrl_ext ledger: reader pid %d died (%s) loading %s; started pid %d",
-            reader.pid,
-            how,
-            describe_episode(self.dataset, item[1]),
-            fresh.pid,
-        )
+
+    def _replenish(self, pool: ReaderPool) -> None:
+        """Start the readers that are missing (one died); a failed start is retried later."""
+        missing = pool.count - len(pool.readers)
+        if missing <= 0:
+            return
+        try:
+            for pid in pool.start():
+                _logger.warning("torchrl_ext ledger: started reader pid %d", pid)
+        except Exception as err:
+            _logger.warning(
+                "torchrl_ext ledger: could not start a reader (%s); trying again in %.1f s", err, PEER_CHECK
+            )
 
     def _dispatch(self) -> None:
         """Give queued loads to idle readers."""
         if self.pool is None:
             return
         for reader in self.pool.idle():
+            while self.queue and self.queue[0][0] not in self.loads:
+                self.queue.popleft()  # dropped meanwhile
             if not self.queue:
                 return
             item, attempt = self.queue.popleft()
@@ -250,7 +273,7 @@ class _Service:
                 return
             if self.pool is None:
                 self.loads[item] = _Load("ready")
-                _will_need(episode_path(self.dataset, item[1]))
+                self.hints.append(item[1])
             else:
                 self.loads[item] = _Load("loading")
                 self.queue.append((item, next(self.tries)))
@@ -297,10 +320,20 @@ class _Service:
                         closed = True
                         conn.send(("bye",))
                         return
-                    if kind == "failed":  # the worker's own dataset[index] raised
+                    if kind == "failed":  # the worker could not load what it was leased
                         self._reject(holder, str(detail))
-                    reply = self._hand_out(holder)
-                conn.send(reply)
+                    reply = self._hand_out(holder, conn)
+                    hints, self.hints = self.hints, []
+                if reply[0] == "gone":  # it left while it waited: the next recv says how
+                    continue
+                try:
+                    conn.send(reply)
+                except OSError:  # it never got the episode: not its loss
+                    with self.cond:
+                        self._give_back(holder, reply)
+                    raise
+                for index in hints:  # outside the lock: a slow file system delays no one
+                    _will_need(episode_path(self.dataset, index))
         except (EOFError, OSError):
             pass
         finally:
@@ -311,7 +344,7 @@ class _Service:
                     self._lost(holder, pid)
             conn.close()
 
-    def _hand_out(self, holder: int) -> tuple[Any, ...]:
+    def _hand_out(self, holder: int, conn: Connection) -> tuple[Any, ...]:
         """Complete ``holder``'s episode and lease it the next one (called with the lock)."""
         self.state.complete(holder)
         while True:
@@ -332,19 +365,30 @@ class _Service:
             self.cond.wait(PEER_CHECK)
             if self.closing:
                 return ("closed",)
+            if conn.poll(0):  # EOF (or a message out of turn): it is not waiting any more
+                return ("gone",)
+
+    def _give_back(self, holder: int, reply: tuple[Any, ...]) -> None:
+        """An episode leased to ``holder`` never reached it: first in line again, no loss."""
+        if reply[0] == "episode" and self.state.give_back(holder) is not None and reply[3] is not None:
+            _unlink(reply[3])
 
     def _reject(self, holder: int, why: str) -> None:
-        item = self.state.reject(holder, why)
-        if item is not None:
-            self._quarantined(item[1], why)
+        index = self.state.leases[holder][1] if holder in self.state.leases else None
+        already = index in self.state.quarantined
+        if self.state.reject(holder, why) is not None and not already:
+            assert index is not None
+            self._quarantined(index, why)
 
     def _lost(self, holder: int, pid: int) -> None:
         item = self.state.leases.get(holder)
         if item is None:
             return
+        already = item[1] in self.state.quarantined
         kept = self.state.lose(holder)
         if kept is None:
-            self._quarantined(item[1], self.state.quarantined[item[1]])
+            if not already:
+                self._quarantined(item[1], self.state.quarantined[item[1]])
         else:
             _logger.info(
                 "torchrl_ext ledger: worker pid %d is gone with episode %d of epoch %d; it goes back "
@@ -463,9 +507,9 @@ def serve(dataset: Any, state: LedgerState, plan: Plan, control: Connection, sup
     try:
         service = _Service(dataset, state, plan, supervised)
     except BaseException as err:
-        control.send(("error", f"{type(err).__name__}: {err}"))
+        control.send((0, "error", f"{type(err).__name__}: {err}"))
         return
-    control.send(("ok", None))
+    control.send((0, "ok", None))
     try:
         while True:
             if not control.poll(PEER_CHECK):
@@ -473,16 +517,16 @@ def serve(dataset: Any, state: LedgerState, plan: Plan, control: Connection, sup
                     return
                 continue
             try:
-                method, args = control.recv()
+                asked, method, args = control.recv()
             except (EOFError, OSError):
                 return
             if method == "close":
                 service.close()
-                control.send(("ok", None))
+                control.send((asked, "ok", None))
                 return
             try:
-                control.send(("ok", service.call(method, args)))
+                control.send((asked, "ok", service.call(method, args)))
             except Exception as err:
-                control.send(("raise", err))
+                control.send((asked, "raise", err))
     finally:
         service.close()

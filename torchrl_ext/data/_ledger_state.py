@@ -125,13 +125,16 @@ class LedgerState:
         item = self.leases.pop(holder, None)
         return None if item is None else self._requeue(item, "lost in flight")
 
-    def lose_pending(self, item: Item) -> Item | None:
-        """A pending item's load was lost (its reader died): load it again, at the same place,
-        unless this loss quarantines it. Returns the item kept pending, or None."""
+    def lose_pending(self, item: Item, why: str = "its reader died") -> Item | None:
+        """A pending item's load was lost (``why``): load it again, at the same place, unless
+        this loss quarantines it. Returns the item kept pending, or None (also when the item
+        is no longer pending)."""
+        if item not in self.pending:
+            return None
         index = item[1]
         self.losses[index] += 1
         if self.losses[index] >= self.quarantine_after:
-            self._skip(index, f"its load was lost {self.losses[index]} times")
+            self._skip(index, f"its load was lost {self.losses[index]} times; last: {why}")
             return None
         return item
 
@@ -145,6 +148,15 @@ class LedgerState:
             return None
         self.front.appendleft(item)
         self.requeued += 1
+        return item
+
+    def give_back(self, holder: int) -> Item | None:
+        """``holder`` never received its item: it goes back to the front, no loss counted."""
+        item = self.leases.pop(holder, None)
+        if item is not None:
+            self.served -= 1
+            if item[1] not in self.quarantined:
+                self.front.appendleft(item)
         return item
 
     def quarantine(self, item: Item, reason: str) -> None:
@@ -177,8 +189,13 @@ class LedgerState:
         return frozenset(self.completed.get(epoch, ()))
 
     def outstanding(self) -> list[Item]:
-        """Items handed out or taken but not completed, in the order a resume replays them."""
-        return [*self.leases.values(), *self.pending, *self.front]
+        """Items handed out or taken but not completed, in the order a resume replays them: the
+        lost ones first, then those held, then those loaded ahead; quarantined ones left out."""
+        return [
+            item
+            for item in (*self.front, *self.leases.values(), *self.pending)
+            if item[1] not in self.quarantined
+        ]
 
     def exhausted(self) -> bool:
         """Nothing is left to take or to finish."""

@@ -4,7 +4,7 @@ Readers are children of the ledger's process under the package's supervision, wh
 class uses the ledger: each leads its own process group, carries an owner tag that processes it
 execs inherit, arms the parent-death signal, and is reported to the external reaper, which
 kills it (and its group) within milliseconds if the owner dies by any means. The one module of
-``data/`` that uses the package's process supervision.
+``data/`` that starts processes (the ledger's own too, through :func:`start_supervised`).
 
 A reader's whole protocol, on its end of a pipe::
 
@@ -12,6 +12,7 @@ A reader's whole protocol, on its end of a pipe::
                        None                     exit
     reader -> parent   ("ok", item, nbytes)     path is complete
                        ("error", item, why)     dataset[index] raised: "ValueError: ..."
+                       ("spool", item, why)     the spool file could not be written
 """
 
 from __future__ import annotations
@@ -91,11 +92,13 @@ def owner_tag() -> str:
 
 
 def start_supervised(
-    ctx: Any, target: Any, args: tuple[Any, ...], name: str, fifo: str, tag: str
+    ctx: Any, target: Any, args: tuple[Any, ...], name: str, fifo: str, tag: str, arm: bool | None = None
 ) -> tuple[BaseProcess, _identity.ProcessKey]:
     """Start ``target(*args, Supervised(...))`` in a process of its own group, reported to the
-    reaper listening on ``fifo`` (from any process of the owner's tree)."""
-    arm = _platform.parent_death_outlives_worker(ctx.get_start_method())
+    reaper listening on ``fifo`` (from any process of the owner's tree). ``arm``: whether the
+    calling thread outlives the process (default: the package's rule for env workers)."""
+    if arm is None:
+        arm = _platform.parent_death_outlives_worker(ctx.get_start_method())
     supervised = Supervised(os.getpid(), arm, tag, fifo)
     process = ctx.Process(target=target, args=(*args, supervised), name=name, daemon=False)
     process.start()
@@ -143,12 +146,17 @@ def _reader_main(dataset: Any, conn: Connection, nice: int | None, supervised: S
         item, index, path = task
         try:
             episode = dataset[index]
+        except Exception as err:
+            conn.send(("error", item, describe_error(err)))
+            continue
+        try:
             part = f"{path}.part"
             torch.save(episode, part)  # a worker maps it back: tensors are not copied again
             os.replace(part, path)
-            conn.send(("ok", item, os.path.getsize(path)))
-        except Exception as err:
-            conn.send(("error", item, describe_error(err)))
+        except Exception as err:  # the spool's fault (a full disk), not the episode's
+            conn.send(("spool", item, describe_error(err)))
+            continue
+        conn.send(("ok", item, os.path.getsize(path)))
 
 
 @dataclass
@@ -166,7 +174,8 @@ class Reader:
 
 
 class ReaderPool:
-    """``count`` reader processes started by ``context``; replaced one at a time when they die."""
+    """``count`` reader processes started by ``context``; one that dies is removed, and the
+    next :meth:`start` starts another."""
 
     def __init__(
         self, dataset: Any, count: int, context: str | None, nice: int | None, supervised: Supervised
@@ -176,16 +185,24 @@ class ReaderPool:
         self._ctx = multiprocessing.get_context(context)  # fixed
         self._nice = nice  # fixed
         self._supervised = supervised  # fixed: the ledger process's own supervision
-        self.readers: list[Reader] = []  # live readers; start/replace/close write
-        self.restarts = 0  # readers replaced after they died; replace writes
+        self.readers: list[Reader] = []  # live readers; start/remove/close write
+        self.restarts = 0  # readers started in place of one that died; start writes
+        self._replaced = 0  # readers removed and not yet started again; remove/start write
         self._gone_read_bytes = 0  # storage bytes read by readers already gone
         self._last_read: dict[int, int] = {}  # pid -> its last read_bytes sample
 
-    def start(self) -> None:
-        """Start every reader (from the thread that outlives them: the parent-death signal
-        follows the thread that forked)."""
+    def start(self) -> list[int]:
+        """Start the readers that are missing; returns their pids. Call it from the thread that
+        outlives them: their parent-death signal follows the thread that forked them."""
+        started = []
         while len(self.readers) < self._count:
-            self.readers.append(self._start_one())
+            reader = self._start_one()
+            self.readers.append(reader)
+            started.append(reader.pid)
+            if self._replaced:
+                self._replaced -= 1
+                self.restarts += 1
+        return started
 
     def _start_one(self) -> Reader:
         ours, theirs = self._ctx.Pipe(duplex=True)
@@ -204,13 +221,16 @@ class ReaderPool:
         """What ``multiprocessing.connection.wait`` should watch: pipes and exit sentinels."""
         return [r.conn for r in self.readers] + [r.process.sentinel for r in self.readers]
 
-    def replace(self, reader: Reader) -> Reader:
-        """``reader`` died: reap it and start another in its place."""
+    @property
+    def count(self) -> int:
+        """How many readers the pool keeps."""
+        return self._count
+
+    def remove(self, reader: Reader) -> None:
+        """``reader`` died: reap it; :meth:`start` puts another in its place."""
+        self.readers.remove(reader)
         self._retire([reader])
-        fresh = self._start_one()
-        self.readers[self.readers.index(reader)] = fresh
-        self.restarts += 1
-        return fresh
+        self._replaced += 1
 
     def exit_description(self, reader: Reader) -> str:
         """How ``reader`` ended, as the package's errors say it (``SIGKILL(-9)``)."""
