@@ -179,10 +179,11 @@ class EpisodeLedger(Closing):
 
     * **Exactly once per epoch.** Epoch ``e`` hands out ``EpisodeSampler(len(dataset),
       shuffle, seed).epoch_order(e)``; the next epoch starts as soon as this one is handed out.
-      An episode is completed when the worker that holds it asks for the next one or closes;
-      when that worker is lost (killed, hung and replaced, recycled, or simply gone) it goes back
-      to the front of the queue. Which worker gets which episode depends on timing; the order
-      of handed-out indices, losses aside, does not.
+      An episode is completed when the worker that holds it asks for the next one or closes (a
+      recycled worker closes); when that worker is lost (killed, hung and replaced, or simply
+      gone) it goes back to the front of the queue (the next to load, after those loaded
+      ahead). Which worker gets which episode depends on timing; the order of handed-out
+      indices, losses aside, does not.
     * **Bounded readers.** ``num_readers`` processes load and parse ahead (``prefetch`` episodes
       per connected worker), whatever the number of workers; they and the ledger's own process
       (a child of this one) are watched like env workers: nothing is left behind on any exit.
