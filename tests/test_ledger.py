@@ -291,7 +291,7 @@ def test_two_epochs_each_episode_once_while_a_worker_is_killed_mid_episode(metho
 
 
 @pytest.mark.parametrize("method", ALL_STARTS[:2])
-def test_an_episode_that_kills_every_worker_loading_it_is_quarantined_and_the_run_goes_on(method: str) -> None:
+def test_an_episode_that_kills_every_worker_loading_it_is_quarantined(method: str) -> None:
     """``num_readers=0``: workers load episodes themselves, and episode 5 SIGKILLs whoever
     loads it. Two workers die with it (``max_restarts`` replaces them); then it is quarantined
     and every other episode of both epochs is played once."""

@@ -26,7 +26,7 @@ import inspect
 import multiprocessing.popen_forkserver
 import multiprocessing.util
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
@@ -148,8 +148,9 @@ INVENTORY: tuple[Internal, ...] = (
            owner="_forkserver"),
     _entry("multiprocessing.util:is_abstract_socket_namespace", _C, "whether it is a file", "address",
            owner="_forkserver"),
-    _entry("multiprocessing.util:Finalize", _C, "closes a child's fds with its Popen", "obj callback args",
-           owner="_forkserver"),
+    _entry("multiprocessing.util:Finalize", _C, "finalize(): a child's fds close with its Popen "
+           "(_forkserver); a ledger closes before multiprocessing joins its children (data/)",
+           "obj callback args exitpriority"),
     _entry("multiprocessing.util:close_fds", _C, "that finalizer's callback", "fds", owner="_forkserver"),
     _entry("multiprocessing.spawn:get_preparation_data", _C, "what spawn sets up in a child", "name",
            owner="_forkserver"),
@@ -317,6 +318,15 @@ def daemon_in_config(process: Any) -> bool:
 def set_daemon_in_config(process: Any, daemon: bool) -> None:
     """Set that flag (on the current process: whether it may start children)."""
     process._config["daemon"] = daemon
+
+
+def finalize(
+    obj: Any, callback: Callable[..., Any], args: tuple[Any, ...] = (), exitpriority: int | None = None
+) -> multiprocessing.util.Finalize[Any]:
+    """``callback(*args)`` once: when called, when ``obj`` is collected, or, with
+    ``exitpriority``, at this process's clean exit, a ``multiprocessing`` child's included, and
+    before ``multiprocessing`` joins its children there (``multiprocessing.util.Finalize``)."""
+    return multiprocessing.util.Finalize(obj, callback, args, exitpriority=exitpriority)
 
 
 def run_exit_finalizers() -> None:

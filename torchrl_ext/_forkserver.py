@@ -260,7 +260,7 @@ class _ServerChild(_cpython.ForkServerPopen):
         # The child watches a duplicate of the data pipe's write end to see this process die.
         keep = os.dup(write_fd)
         close_fds = multiprocessing.util.close_fds  # type: ignore[attr-defined]
-        self.finalizer = multiprocessing.util.Finalize(self, close_fds, (keep, self.sentinel))
+        self.finalizer = _cpython.finalize(self, close_fds, (keep, self.sentinel))
         with open(write_fd, "wb", closefd=True) as pipe:
             pipe.write(data.getbuffer())
         self.pid = multiprocessing.forkserver.read_signed(self.sentinel)

@@ -19,14 +19,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sized
-from multiprocessing import connection, util
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Client, Connection
 from typing import Any
 
 import psutil
 import torch
 
 from .. import _identity
+from .._cpython import finalize
 from .._errors import format_exitcode
 from ._closing import Closing
 from ._ledger_service import Plan, serve
@@ -85,7 +85,7 @@ class LedgerClient:
         pid = os.getpid()
         if self._conn is None or self._pid != pid:
             try:
-                conn = connection.Client(self._address, family="AF_UNIX", authkey=self._authkey)
+                conn = Client(self._address, family="AF_UNIX", authkey=self._authkey)
             except (OSError, EOFError) as err:
                 raise LedgerClosedError(
                     f"cannot reach the episode ledger at {self._address!r} ({err}): it was closed, or "
@@ -94,7 +94,7 @@ class LedgerClient:
             conn.send(("hello", *_identity.me(), _read_bytes()))
             self._conn, self._pid, self._waited = conn, pid, None
             # A clean exit completes the held episode (multiprocessing workers run these too).
-            util.Finalize(self, _say_goodbye, args=(conn, pid), exitpriority=10)
+            finalize(self, _say_goodbye, (conn, pid), exitpriority=10)
         return self._conn
 
     def _ask(self, kind: str, detail: Any = None) -> tuple[Any, ...]:
@@ -265,8 +265,8 @@ class EpisodeLedger(Closing):
             raise
         self._client = LedgerClient(address, plan.authkey, dataset if num_readers == 0 else None)
         # At interpreter exit it runs before multiprocessing joins its children (exitpriority).
-        self._finalizer = util.Finalize(
-            self, self._shutdown, args=(self._process, self._control, directory), exitpriority=10
+        self._finalizer = finalize(
+            self, self._shutdown, (self._process, self._control, directory), exitpriority=10
         )
 
     @staticmethod

@@ -42,8 +42,8 @@ import os
 import threading
 from collections import deque
 from dataclasses import dataclass
-from multiprocessing import AuthenticationError, connection
-from multiprocessing.connection import Connection
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, Listener, wait
 from typing import Any, Literal
 
 from .. import _identity
@@ -137,7 +137,7 @@ class _Service:
             else None
         )
         os.mkdir(self.spool)
-        self.listener = connection.Listener(plan.address, family="AF_UNIX", authkey=plan.authkey)
+        self.listener = Listener(plan.address, family="AF_UNIX", authkey=plan.authkey)
         started = threading.Event()
         self.threads = [
             threading.Thread(target=self._dispatch_loop, args=(started,), name="torchrl_ext-ledger-readers"),
@@ -169,7 +169,7 @@ class _Service:
                 continue
             with self.cond:
                 waitables = pool.waitables()
-            ready = set(connection.wait(waitables, timeout=PEER_CHECK))
+            ready = set(wait(waitables, timeout=PEER_CHECK))
             with self.cond:
                 if self.closing:
                     return
@@ -458,7 +458,7 @@ class _Service:
                 except OSError:
                     pass
         try:  # wake the accept loop
-            connection.Client(self.plan.address, family="AF_UNIX", authkey=self.plan.authkey).close()
+            Client(self.plan.address, family="AF_UNIX", authkey=self.plan.authkey).close()
         except (OSError, EOFError):
             pass
         self.listener.close()
