@@ -7,7 +7,11 @@ calls and polls until that process is gone (or a zombie). Then, for the one next
 ``step_and_maybe_reset``, which replaces the worker: restarts happen in the calling thread),
 ``sys.setprofile`` (this thread) and ``threading.setprofile`` (threads started during the call)
 record the module (``frame.f_globals["__name__"]``) of every Python function called that is
-``torchrl_ext`` or below it. Threads already running when the call starts (the supervisor's) are
+``torchrl_ext`` or below it, and every call edge between two of those modules (the caller is the
+nearest ``torchrl_ext`` frame up the stack, so a call that passes through TorchRL or the standard
+library still counts as ours calling ours). The same trace of one ordinary call just before the
+kill (the same call, no worker lost) gives the baseline: the modules and edges only a restart
+adds. Threads already running when the call starts (the supervisor's) are
 not traced: ``threading.setprofile`` only reaches threads started after it; their names are
 printed. The script checks that the call restarted that slot (``env.stats()["restarts"]`` and
 ``env.restarts``) and fails otherwise. It prints the modules called in the main thread and in the
@@ -45,6 +49,8 @@ class ModuleTrace:
         self.main_ident = threading.main_thread().ident
         self.main: set[str] = set()
         self.others: set[str] = set()
+        #: (caller module, callee module), both ours and different, any thread.
+        self.edges: set[tuple[str, str]] = set()
         self.other_threads: set[str] = set()
         self.active = False
 
@@ -54,9 +60,15 @@ class ModuleTrace:
             return
         if event != "call":
             return
-        module = frame.f_globals.get("__name__")
-        if not isinstance(module, str) or not (module == PACKAGE or module.startswith(PACKAGE + ".")):
+        module = _ours(frame)
+        if module is None:
             return
+        caller = frame.f_back
+        while caller is not None and _ours(caller) is None:
+            caller = caller.f_back
+        if caller is not None and (source := _ours(caller)) != module:
+            assert source is not None
+            self.edges.add((source, module))
         if threading.get_ident() == self.main_ident:
             self.main.add(module)
         else:
@@ -73,6 +85,18 @@ class ModuleTrace:
         sys.setprofile(None)
         threading.setprofile(None)
         self.active = False
+
+
+def _ours(frame: FrameType) -> str | None:
+    """The frame's module when it is ``torchrl_ext`` or below it."""
+    module = frame.f_globals.get("__name__")
+    if isinstance(module, str) and (module == PACKAGE or module.startswith(PACKAGE + ".")):
+        return module
+    return None
+
+
+def _edges(edges: set[tuple[str, str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, b in edges)
 
 
 def _wait_gone(proc: psutil.Process, timeout: float) -> float:
@@ -98,6 +122,9 @@ def trace(slot: int, steps: int) -> dict[str, Any]:
         td = env.reset()
         for _ in range(steps):
             td.set("action", env.action_spec.rand())
+            _, td = env.step_and_maybe_reset(td)
+        td.set("action", env.action_spec.rand())
+        with ModuleTrace() as baseline:
             _, td = env.step_and_maybe_reset(td)
         victim = env.worker_pids[slot]
         proc = psutil.Process(victim)
@@ -132,16 +159,26 @@ def trace(slot: int, steps: int) -> dict[str, Any]:
     finally:
         env.close()
     both = modules.main | modules.others
+    ordinary = baseline.main | baseline.others
     return {
         "record": record,
         "killed_gone_after_s": round(gone_after, 4),
         "main_thread": sorted(modules.main),
         "other_threads": sorted(modules.others),
         "union": sorted(both),
+        "edges": _edges(modules.edges),
+        "baseline_union": sorted(ordinary),
+        "restart_only": sorted(both - ordinary),
+        "restart_only_edges": _edges(modules.edges - baseline.edges),
         "counts": {
             "main_thread": len(modules.main),
             "other_threads": len(modules.others),
             "union": len(both),
+            "edges": len(modules.edges),
+            "baseline_union": len(ordinary),
+            "baseline_edges": len(baseline.edges),
+            "restart_only": len(both - ordinary),
+            "restart_only_edges": len(modules.edges - baseline.edges),
         },
         "other_thread_names": sorted(modules.other_threads),
         "untraced_threads": untraced,
@@ -164,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("main_thread", "main thread"),
         ("other_threads", "other threads"),
         ("union", "union"),
+        ("restart_only", "not called by an ordinary call"),
     ):
         print(f"\n{title} ({result['counts'][key]} modules):")
         for module in result[key]:
@@ -173,8 +211,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     counts = result["counts"]
     print(
         f"\ncounts: main thread {counts['main_thread']}, other threads {counts['other_threads']}, "
-        f"union {counts['union']}"
+        f"union {counts['union']} (an ordinary call: {counts['baseline_union']}, restart only: "
+        f"{counts['restart_only']})"
     )
+    print(
+        f"call edges between modules: {counts['edges']} (an ordinary call: {counts['baseline_edges']}, "
+        f"restart only: {counts['restart_only_edges']})"
+    )
+    print(f"\nedges ({counts['edges']}):")
+    for edge in result["edges"]:
+        print(f"  {edge}")
     return 0
 
 

@@ -8,11 +8,11 @@ drained, and the slot keeper may handle a command itself instead of sending it (
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 from ._compat import COMMANDS, NO_PIPE_ANSWER
+from ._wait import wait_for
 
 __all__ = ["ParentChannel", "RestartableChannel", "is_forwarded_call"]
 
@@ -108,12 +108,15 @@ class RestartableChannel(ParentChannel):
 
     def drain(self, until: float) -> None:
         """Read and drop the answers still owed, waiting until ``until`` (monotonic) at most."""
-        while self.owed:
-            if not self._conn.poll(max(0.0, until - time.monotonic())):
-                return
-            try:
-                self._conn.recv()
-            except (EOFError, OSError):
-                self.owed = 0
-                return
-            self.owed -= 1
+
+        def drained() -> bool:  # reads what has arrived; a closed pipe owes nothing more
+            while self.owed and self._conn.poll():
+                try:
+                    self._conn.recv()
+                except (EOFError, OSError):
+                    self.owed = 0
+                else:
+                    self.owed -= 1
+            return not self.owed
+
+        wait_for(drained, until, "the answers owed did not arrive", sleep=self._conn.poll)

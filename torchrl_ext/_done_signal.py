@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+from ._wait import wait_for
+
 __all__ = [
     "DEFAULT_SPIN",
     "Answers",
@@ -202,40 +204,46 @@ class DoneSignal:
         check: Callable[[], object],
         late: Literal["raise", "return"],
     ) -> Outcome:
-        deadline = time.monotonic() + timeout
-        sleep = _FIRST_SLEEP
+        def look() -> Outcome | None:
+            # Re-read each time: a signal handler running in this thread may close the env
+            # (and this signal) while we sleep.
+            fd = self._fd
+            if fd is None:
+                raise RuntimeError(_CLOSED_WHILE_WAITING)
+            self._drain(fd)
+            if all(flags[i] for i in indices):
+                for i in indices:
+                    flags[i] = 0
+                return "answered"
+            return "stopped" if check() else None
+
+        def pause(seconds: float) -> None:
+            fd = self._fd
+            if fd is None:
+                return  # the next look reports it
+            try:
+                select.select([fd], [], [], seconds)
+            except OSError:
+                if self._fd is None:
+                    raise RuntimeError(_CLOSED_WHILE_WAITING) from None
+                raise
+
         asleep = self._asleep
         if self._fd is not None:
             asleep[0] = 1
         try:
-            while True:
-                # Re-read each time: a signal handler running in this thread may close the env
-                # (and this signal) while we sleep.
-                fd = self._fd
-                if fd is None:
-                    raise RuntimeError(_CLOSED_WHILE_WAITING)
-                self._drain(fd)
-                if all(flags[i] for i in indices):
-                    for i in indices:
-                        flags[i] = 0
-                    return "answered"
-                if check():
-                    return "stopped"
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    if late == "return":
-                        return "late"
-                    raise timeout_error(timeout)
-                try:
-                    select.select([fd], [], [], min(remaining, sleep))
-                except OSError:
-                    if self._fd is None:
-                        raise RuntimeError(_CLOSED_WHILE_WAITING) from None
-                    raise
-                sleep = min(2 * sleep, _SLICE)
+            reason = f"no answer within {timeout:g} s"
+            outcome = wait_for(
+                look, time.monotonic() + timeout, reason, sleep=pause, first=_FIRST_SLEEP, slice=_SLICE
+            )
         finally:
             if not asleep.closed:
                 asleep[0] = 0
+        if outcome:
+            return outcome
+        if late == "return":
+            return "late"
+        raise timeout_error(timeout)
 
     def close(self) -> None:
         fd, self._fd = self._fd, None
@@ -359,19 +367,22 @@ class Answers:
         or with ``late="return"``, ``"late"`` is returned."""
         assert self.events is not None
         events = self.events
-        pause = 1e-4
-        while True:
-            waiting = [slot for slot in slots if not events[slot].is_set()]
+        waiting = list(slots)  # the slots not answered yet, as of the last look
+
+        def look() -> Outcome | None:
+            waiting[:] = [slot for slot in slots if not events[slot].is_set()]
             if not waiting:
                 for slot in slots:
                     events[slot].clear()
                 return "answered"
-            if check():
-                return "stopped"
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                if late == "return":
-                    return "late"
-                raise timeout_error(timeout)
-            events[waiting[0]].wait(min(pause, remaining))
-            pause = min(2 * pause, _EVENT_SLICE)
+            return "stopped" if check() else None
+
+        def pause(seconds: float) -> None:
+            events[waiting[0]].wait(seconds)
+
+        outcome = wait_for(look, deadline, f"no answer within {timeout:g} s", sleep=pause, slice=_EVENT_SLICE)
+        if outcome:
+            return outcome
+        if late == "return":
+            return "late"
+        raise timeout_error(timeout)

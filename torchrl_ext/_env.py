@@ -214,7 +214,7 @@ class ManagedParallelEnv(ParallelEnv):
         if state is not None:
             state.options = dataclasses.replace(state.options, shutdown_timeout=float(value))
             # Read at the next start, as upstream's (its _start_workers copies it to _timeout).
-            state.keeper.options = state.keeper.recycler.options = state.options
+            state.keeper.use_options(state.options)
 
     @property
     def supervision_report(self) -> SupervisionReport | None:

@@ -72,7 +72,8 @@ class SlotKeeper:
         self.restarts: list[RestartRecord] = []
         self.starter = WorkerStarter()
         self.slots = Slots()
-        self.recycler = Recycler(options, self.starter, self.slots)
+        #: Recycling's policy over the slots; ``None`` when recycling is off (set once, here).
+        self.recycler = Recycler(options, self.starter, self.slots) if options.recycling else None
         #: Done entries only restarts write (set by the owner once its specs are known).
         self.mark_keys: list[str] = []
 
@@ -80,6 +81,12 @@ class SlotKeeper:
     def on(self) -> bool:
         """Restarts (and their marks) are on."""
         return self.options.max_restarts > 0
+
+    def use_options(self, options: Options) -> None:
+        """The env's options changed (an assigned ``shutdown_timeout``): every holder reads them."""
+        self.options = options
+        if self.recycler is not None:
+            self.recycler.options = options
 
     # ------------------------------------------------------------------ start and close
     def recording(self) -> contextlib.AbstractContextManager[list[Any]]:
@@ -107,11 +114,12 @@ class SlotKeeper:
         """At close: the templates hold the shared buffers and the done flags; recycling
         starts over with the next start (its standbys were ended with the workers)."""
         self.starter.forget()
-        self.recycler.forget()
+        if self.recycler is not None:
+            self.recycler.forget()
 
     def attached(self, env: Any, supervisor: WorkerSupervisor) -> None:
         """Once the supervisor has the workers: with recycling on, hook their channels."""
-        if self.recycler.on:
+        if self.recycler is not None:
             for slot, channel in enumerate(Upstream(env).channels):
                 self._hook(env, supervisor, slot, channel)
 
@@ -140,13 +148,13 @@ class SlotKeeper:
             if command == "reset":
                 slot.owes_mark = False
                 self._unhook(env, index)
-        if self.recycler.on:
+        if self.recycler is not None:
             return self.recycler.route(env, supervisor, index, message)
         return None
 
     def _unhook(self, env: Upstream, index: int) -> None:
         """Slot ``index``'s policies have nothing more to do with its commands (recycling off)."""
-        if not self.recycler.on:
+        if self.recycler is None:
             env.owner.channels[index].hook = None
 
     def remember_view(self, view: Any) -> None:
@@ -165,7 +173,7 @@ class SlotKeeper:
         """Whether the next call must first clear marks or replace lost workers (no system call)."""
         if self.slots.marked or supervisor.has_losses:
             return True
-        return self.recycler.on and self.recycler.pending(supervisor)
+        return self.recycler is not None and self.recycler.pending(supervisor)
 
     def between_calls(self, env: Upstream, supervisor: WorkerSupervisor) -> None:
         marked = self.slots.marked
@@ -176,7 +184,7 @@ class SlotKeeper:
             marked.clear()
         if supervisor.has_losses:
             self.handle_losses(env, supervisor, in_flight=())
-        if self.recycler.on:
+        if self.recycler is not None:
             self.recycler.prepare(env, supervisor)
 
     def after_reset(self, env: Upstream, out: Any) -> None:
@@ -220,8 +228,8 @@ class SlotKeeper:
                 # call, whether or not the supervisor thread has run since: look once (one select).
                 supervisor.poll()
                 if not lost():
-                    if self.recycler.on:
-                        self._after_wait(env, supervisor, slots)
+                    if self.recycler is not None:
+                        self._after_wait(env, supervisor, self.recycler, slots)
                     return
                 # Every answer was read: only the replacements' are awaited.
                 waiting = [loss.index for loss in supervisor.losses() if loss.index in slots]
@@ -237,12 +245,14 @@ class SlotKeeper:
             if step_timeout is not None:  # a replayed reset gets the whole timeout
                 hang_at = time.monotonic() + step_timeout
 
-    def _after_wait(self, env: Upstream, supervisor: WorkerSupervisor, slots: list[int]) -> None:
+    def _after_wait(
+        self, env: Upstream, supervisor: WorkerSupervisor, recycler: Recycler, slots: list[int]
+    ) -> None:
         """The recycler's part once the answers are in; the swaps it finished are restarts."""
         try:
-            self.recycler.after_wait(env, supervisor, slots)
+            recycler.after_wait(env, supervisor, slots)
         finally:
-            for record in self.recycler.take_finished():
+            for record in recycler.take_finished():
                 self.restarts.append(record)
                 self.notify(record)
 
@@ -365,14 +375,14 @@ class SlotKeeper:
             pause = due - time.monotonic()
             if pause > 0:
                 time.sleep(pause)  # restart_backoff: a slot that keeps failing waits
-            if self.recycler.on:
+            if self.recycler is not None:
                 self.recycler.forget_slot(supervisor, lost.index)
             supervisor.forget_report(lost.index)
             Answers(env.owner.done_flags, None).clear(lost.index)  # its last answer may be there
             launch = self.starter.start(lost.index, supervisor.tag)
             self.slots[lost.index].new_worker()
             self.starter.install(env, launch, supervisor.replace(lost.index, launch.process, launch.channel))
-            if self.recycler.on:
+            if self.recycler is not None:
                 self._hook(env.owner.env, supervisor, lost.index, launch.channel)
             launches[lost.index] = (launch, lost, delay)
         return launches

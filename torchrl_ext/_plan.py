@@ -158,5 +158,5 @@ class StartPlan:
         and the reaper watches the one running."""
         if self.preload_modules is None:
             return
-        preloaded_context(self.preload_modules)
+        _forkserver.context(self.preload_modules)  # the exit hook was installed by make()
         self.watch_server(fifo)

@@ -96,10 +96,6 @@ class Recycler:
             slot.end_recycling()
         self._seen_samples = None
 
-    @property
-    def on(self) -> bool:
-        return self.memory is not None or self.every is not None
-
     def take_finished(self) -> list[RestartRecord]:
         """The records of the swaps finished since the last call (for ``env.restarts``)."""
         finished, self.finished = self.finished, []
