@@ -39,9 +39,16 @@ from ._policy import Backoff, RestartBudget, RestartRecord, restarts_on_error
 from ._record import Loss
 from ._recycle import Recycler
 from ._slots import Slots
-from ._starting import LOSS_WAIT, StartingWorker, WorkerStarter, handshake, reset_all, seed_all
+from ._starting import (
+    LOSS_WAIT,
+    StartingWorker,
+    WorkerStarter,
+    handshake,
+    recording_starts,
+    reset_all,
+    seed_all,
+)
 from ._supervisor import LOST_PIPE_WAIT, WorkerSupervisor
-from ._templates import recording_starts
 
 __all__ = ["RestartRecord", "SlotKeeper", "raise_failure"]
 

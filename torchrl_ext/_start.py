@@ -38,7 +38,7 @@ from ._plan import StartPlan
 from ._report import SupervisionReport
 from ._stats import EnvStats
 from ._supervisor import WorkerSupervisor
-from ._tag import new_env_tag, tagged_spawns
+from ._tag import new_env_tag
 from ._worker import WorkerConfig
 
 __all__ = ["EnvState", "abort_start", "release_workers", "start_workers", "stop_workers"]
@@ -203,7 +203,7 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
         with (
             managed_worker_targets(),
             worker_context(env, plan.context),
-            tagged_spawns(tag),
+            plan.tagged(tag),
             keeper.recording() as started,
             watch,
         ):

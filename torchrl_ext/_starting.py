@@ -1,6 +1,11 @@
 """Starting workers in place of others: from the slot's recorded process, on fresh pipes, with
 every handshake, seed and reset of one round sent first and awaited together.
 
+TorchRL builds its worker processes in several ways across releases; a copy of what it built is
+the one way to build the same again. :func:`recording_starts` keeps a copy of every process the
+calling thread starts (before ``start()`` drops its target and kwargs), and
+:func:`copy_unstarted` makes a new, unstarted process like one of them with new kwargs.
+
 The slot keeper (``_keeper``) replaces lost workers with it; the recycler (``_recycle``)
 starts a slot's next worker ahead of time with it. A :class:`StartingWorker` is one such
 process from its start until it answers its first command; the :class:`WorkerStarter` holds what
@@ -11,11 +16,15 @@ FIFO) and installs a started worker in the env's by-position lists and views.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import multiprocessing.connection
+import multiprocessing.process
+import threading
 import time
 import weakref
 from collections.abc import Callable, Collection, Iterator
@@ -24,13 +33,12 @@ from typing import Any
 
 from . import _platform
 from ._compat import PER_START_KWARGS, WORKER_KWARGS, Upstream
-from ._cpython import process_kwargs, process_start_method
+from ._cpython import copy_unstarted_process, process_kwargs, process_start_method
 from ._done_signal import Answers
 from ._intercept import ConfiguredKwargs
+from ._patch import ScopedPatch
 from ._plan import StartPlan
 from ._supervisor import WorkerSupervisor
-from ._tag import tagged_spawns
-from ._templates import copy_unstarted
 from ._wait import on, wait_for
 
 __all__ = [
@@ -38,9 +46,11 @@ __all__ = [
     "WorkerStarter",
     "await_all",
     "await_answers",
+    "copy_unstarted",
     "finish_handshake",
     "handshake",
     "read_answer",
+    "recording_starts",
     "reset_all",
     "seed_all",
     "send_seed",
@@ -50,6 +60,47 @@ log = logging.getLogger("torchrl_ext")
 
 #: How long the supervisor may take to handle a worker's exit (its tree's SIGKILL included).
 LOSS_WAIT = 10.0
+
+
+_recording = threading.local()
+
+
+def _recording_start(previous: Any) -> Any:
+    def start(self: multiprocessing.process.BaseProcess) -> None:
+        recorded = getattr(_recording, "into", None)
+        if recorded is not None:
+            recorded.append(copy.copy(self))  # before start(), which drops target and kwargs
+        previous(self)
+
+    start.__wrapped__ = previous  # type: ignore[attr-defined]
+    return start
+
+
+_START_PATCH = ScopedPatch(multiprocessing.process.BaseProcess, "start", _recording_start)
+
+
+@contextlib.contextmanager
+def recording_starts() -> Iterator[list[Any]]:
+    """While active, every process this thread starts is recorded, unstarted, in the list
+    yielded (the slots' templates)."""
+    into: list[Any] = []
+    _recording.into = into
+    try:
+        with _START_PATCH.active():
+            yield into
+    finally:
+        _recording.into = None
+
+
+_copies = itertools.count(1)
+
+
+def copy_unstarted(template: Any, kwargs: dict[str, Any]) -> Any:
+    """A new, unstarted process like ``template`` (recorded by :func:`recording_starts`) with
+    ``kwargs`` as its target's keyword arguments."""
+    name = str(template.name)
+    base = name.rsplit("-", 1)[0] if "-" in name else name
+    return copy_unstarted_process(template, kwargs, f"{base}-restart{next(_copies)}")
 
 
 @dataclass(eq=False)
@@ -114,7 +165,7 @@ class WorkerStarter:
             )
         self.plan.refresh(self.fifo)
         process = copy_unstarted(template, kwargs)
-        with tagged_spawns(tag):
+        with self.plan.tagged(tag):
             process.start()
         child_pipe.close()
         handoff = self.handoffs[slot] if self.handoffs is not None else None
