@@ -20,6 +20,7 @@ from tests.envs import make_env
 from tests.polling import wait_until
 from torchrl_ext import ManagedParallelEnv, WorkerDiedError, _shutdown
 from torchrl_ext._compat import HAS_DAEMON_KWARG
+from torchrl_ext._tag import Tag
 
 #: ``shutdown_timeout`` of tests that expect a graceful close: the close message phase (60 %)
 #: then lasts long enough for a worker to close its DataLoader on a loaded machine; a close
@@ -317,8 +318,9 @@ class _ScriptedWorker:
     two looks of the shutdown), and records the signals sent to it."""
 
     def __init__(self, looks_alive: int, graceful_until: float) -> None:
-        self.index, self.pid = 0, 4_194_305  # above Linux's largest pid: nobody's
+        self.index, self.pid, self.create_time = 0, 4_194_305, 0.0  # above Linux's largest pid: nobody's
         self.finished, self.descendants_killed, self.exitcode = False, 0, None
+        self.descendants: dict[int, object] = {}
         self.signals: list[int] = []
         self._looks_alive, self._graceful_until = looks_alive, graceful_until
         self._read, self._write = os.pipe()  # a sentinel that never turns readable
@@ -362,7 +364,7 @@ def test_a_worker_exiting_between_two_looks_gets_the_outcome_of_what_was_sent(lo
     try:
         outcome, swept = _shutdown.close_workers(
             [worker],  # type: ignore[list-item]
-            lambda workers, recent: [],
+            Tag(4_194_305, 0.0, "4194305.1"),  # an owner nobody is: the sweep's tag scan finds nothing
             "scripted",
             "test",
             t0,

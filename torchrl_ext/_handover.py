@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from . import _identity, _reaper_client
-from ._record import WorkerRecord
+from ._record import WorkerRecord, worker_tree
 
 __all__ = ["Handovers"]
 
@@ -99,15 +99,9 @@ class Handovers:
         """SIGKILL and reap ``workers`` and their trees (nobody's loss)."""
         for worker in workers:
             worker.signal(signal.SIGKILL)
-        # Their groups and recorded descendants only: a tag scan would match the slot's
-        # current worker too (the same slot's tag).
-        tree = _identity.tree(
-            {w.pid: (w.create_time, w.pid) for w in workers},
-            [proc for w in workers for proc in w.descendants.values()],
-            recent_groups=[w.pid for w in workers],
-            include_workers=False,  # collected by multiprocessing (read_exitcode), not here
-            dying=True,
-        )
+        # Their groups and recorded descendants, no tag: a tag scan would match the slot's
+        # current worker too (the same slot's tag). The workers are collected by read_exitcode.
+        tree = worker_tree(workers, workers, tag=None)
         _identity.kill_and_reap(tree, grace=0.0, kill_wait=2.0, collect_late=True)
         for worker in workers:
             worker.exitcode = worker.read_exitcode(wait=2.0)

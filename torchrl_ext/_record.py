@@ -26,10 +26,11 @@ import psutil
 from . import _cpython, _identity, _platform
 from ._channel import ParentChannel
 from ._errors import OomKill, WorkerDiedError
+from ._tag import Tag
 from ._wait import wait_for
 from ._wire import read_report, rebuild_exception
 
-__all__ = ["Loss", "TreeSample", "WorkerRecord", "sample_tree", "startup_failure"]
+__all__ = ["Loss", "TreeSample", "WorkerRecord", "sample_tree", "startup_failure", "worker_tree"]
 
 
 @dataclass(frozen=True)
@@ -255,6 +256,25 @@ class WorkerRecord:
         proc = _identity.same_process(self.pid, self.create_time)
         if proc is not None:
             _identity.reap_if_child([proc])
+
+
+def worker_tree(
+    workers: Sequence[WorkerRecord], recent: Sequence[WorkerRecord], tag: Tag | None
+) -> list[psutil.Process]:
+    """The live processes of ``workers`` (not the workers themselves): their recorded
+    descendants, their process groups (those of ``recent`` anchored: their worker was alive a
+    moment ago, see ``_identity``) and, with ``tag``, every process carrying the env's tag
+    (one worker's: that worker's only)."""
+    return _identity.tree(
+        {w.pid: (w.create_time, w.pid) for w in workers},
+        [proc for w in workers for proc in w.descendants.values()],
+        owner=None if tag is None else tag.owner,
+        env_id=None if tag is None else tag.env_id,
+        worker_index=str(workers[0].index) if tag is not None and len(workers) == 1 else None,
+        recent_groups=[w.pid for w in recent],
+        include_workers=False,
+        dying=True,
+    )
 
 
 def startup_failure(

@@ -42,13 +42,12 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Callable, Sequence
-
-import psutil
+from collections.abc import Sequence
 
 from . import _identity, _platform, _reaper_client
-from ._record import WorkerRecord
+from ._record import WorkerRecord, worker_tree
 from ._report import Outcome
+from ._tag import Tag
 from ._wait import on, wait_for
 
 __all__ = ["CLOSE_MESSAGE_SHARE", "SIGKILL_SHARE", "SIGTERM_SHARE", "close_workers"]
@@ -65,13 +64,9 @@ SIGTERM_SHARE = 0.8
 #: the sweep and reaping use the rest, and nothing waits past the deadline.
 SIGKILL_SHARE = 0.95
 
-#: ``tree_of(workers, recent)``: the live processes of ``workers`` (not the workers), with the
-#: process groups of ``recent`` counting as anchored (see ``_identity``).
-TreeOf = Callable[[list[WorkerRecord], list[WorkerRecord]], list[psutil.Process]]
-
 
 def close_workers(
-    workers: Sequence[WorkerRecord], tree_of: TreeOf, label: str, reason: str, t0: float, timeout: float
+    workers: Sequence[WorkerRecord], tag: Tag, label: str, reason: str, t0: float, timeout: float
 ) -> tuple[dict[int, Outcome], int]:
     """NOTE [shutdown order], from the close message to the reaping: how each worker ended
     (by index) and how many leftover processes the sweep killed. Returns by ``t0 + timeout``."""
@@ -123,7 +118,7 @@ def close_workers(
     # Sweep: everything recorded, every group member, every tagged process of this env.
     # A worker that had died before the close anchors its group only through a live process
     # of ours in it: its group id may have been recycled by a stranger since.
-    leftovers = tree_of(workers, [w for w in workers if outcome.get(w.index) != "died"])
+    leftovers = worker_tree(workers, [w for w in workers if outcome.get(w.index) != "died"], tag)
     grace = min(0.5, left() / 2)  # 0 once the deadline is near: SIGKILL at once
     # Whatever dies after the deadline (re-parented to us) is still collected, in the background.
     swept_t, swept_k = _identity.kill_and_reap(

@@ -37,7 +37,7 @@ from ._channel import ParentChannel, RestartableChannel
 from ._done_signal import DoneSignal
 from ._errors import WorkerDiedError, WorkerHungError, format_exitcode
 from ._handover import Handovers
-from ._record import Loss, TreeSample, WorkerRecord, startup_failure
+from ._record import Loss, TreeSample, WorkerRecord, startup_failure, worker_tree
 from ._report import SupervisionReport, WorkerOutcome
 from ._shutdown import close_workers
 from ._stats import EnvStats
@@ -354,25 +354,10 @@ class WorkerSupervisor:
             return WorkerDiedError(worker.index, worker.pid, worker.exitcode, last_command, oom=worker.oom)
         return rebuild_exception(report, worker.index, worker.pid)
 
-    def _tree_of(self, workers: list[WorkerRecord], recent: list[WorkerRecord]) -> list[psutil.Process]:
-        """The live processes of ``workers`` (not the workers themselves); the process groups of
-        ``recent`` count as anchored (see ``_identity``: their worker was alive a moment ago)."""
-        seen = [proc for worker in workers for proc in worker.descendants.values()]
-        return _identity.tree(
-            {w.pid: (w.create_time, w.pid) for w in workers},
-            seen,
-            owner=(self.tag.owner_pid, self.tag.owner_create_time),
-            env_id=self.tag.env_id,
-            worker_index=str(workers[0].index) if len(workers) == 1 else None,
-            recent_groups=[w.pid for w in recent],
-            include_workers=False,
-            dying=True,
-        )
-
     def _kill_tree(self, worker: WorkerRecord) -> int:
         """SIGKILL and reap what is left of a worker that just died."""
         _terminated, killed = _identity.kill_and_reap(
-            self._tree_of([worker], recent=[worker]), grace=0.0, kill_wait=2.0, collect_late=True
+            worker_tree([worker], [worker], self.tag), grace=0.0, kill_wait=2.0, collect_late=True
         )
         return len(killed)
 
@@ -453,7 +438,7 @@ class WorkerSupervisor:
             self._closing = True
             workers = list(self._workers)
         self.handovers.end_all()
-        outcome, swept = close_workers(workers, self._tree_of, self.label, reason, t0, timeout)
+        outcome, swept = close_workers(workers, self.tag, self.label, reason, t0, timeout)
         self.stop(deadline=t0 + timeout)
         return SupervisionReport(
             reason=reason,
