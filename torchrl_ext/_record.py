@@ -238,6 +238,8 @@ class WorkerRecord:
                 # The kernel's status, read without collecting it: a fork-server child
                 # re-parented to us after its server died reports 255 through multiprocessing.
                 peeked = _platform.peek_exit_status(self.pidfd)
+                if peeked is not None and code is None and not orphan_prone:
+                    code = self.process.exitcode  # it exited between the two looks: collect it now
                 code = code if peeked is None else peeked
             if code is None:
                 return None
