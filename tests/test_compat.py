@@ -95,6 +95,23 @@ def test_a_release_lacking_an_internal_is_refused_at_construction(monkeypatch: p
         _compat.check_supported.cache_clear()
 
 
+@pytest.mark.compat
+def test_a_users_patch_of_the_worker_function_is_not_read_as_torchrl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check reads TorchRL's worker function from TorchRL's source: a user's wrapper patched
+    in its place before the first env is built (``**kwargs``, no command of its own) does not
+    make a supported release look unsupported."""
+
+    def users_wrapper(**kwargs: Any) -> None:
+        raise AssertionError("never called")
+
+    _compat.check_supported.cache_clear()
+    monkeypatch.setattr(batched_envs, "_run_worker_pipe_shared_mem", users_wrapper)
+    try:
+        _compat.check_supported()
+    finally:
+        _compat.check_supported.cache_clear()
+
+
 #: TorchRL's own private names, as the inventory declares them (the commands are plain words;
 #: the hooks are the methods ``ManagedParallelEnv`` overrides, by definition named there).
 _DECLARED = {row.name.rpartition(".")[2] for row in _compat.INVENTORY if row.kind not in ("command", "hook")}

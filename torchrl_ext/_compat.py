@@ -31,6 +31,7 @@ by our worker entry before TorchRL's worker function runs, so the factory receiv
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import importlib
@@ -378,15 +379,27 @@ class Installed:
 
     @classmethod
     def read(cls, env: Any = None, view: Any = None) -> Installed:
-        entry = batched_envs._run_worker_pipe_shared_mem
+        params, loop_source = _defined(batched_envs, "_run_worker_pipe_shared_mem")
         return cls(
             modules={"": batched_envs, "_utils": importlib.import_module("torchrl._utils")},
             env_class=ParallelEnv,
-            worker_params=frozenset(inspect.signature(entry).parameters),
-            loop_source=inspect.getsource(entry),
+            worker_params=params,
+            loop_source=loop_source,
             env=env,
             view=view,
         )
+
+
+def _defined(module: Any, name: str) -> tuple[frozenset[str], str]:
+    """The parameter names and source of the function ``module``'s file defines as ``name``
+    (nothing when it defines none): TorchRL's own, whatever a user has patched in its place."""
+    source = inspect.getsource(module)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            a = node.args
+            params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]
+            return frozenset(p.arg for p in params), ast.get_source_segment(source, node) or ""
+    return frozenset(), ""
 
 
 def _has(target: Any, name: str) -> bool:
