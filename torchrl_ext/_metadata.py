@@ -34,7 +34,7 @@ from . import _identity, _platform, _reaper_client
 from ._compat import describe_factory
 from ._errors import unpicklable_note
 from ._intercept import get_env_metadata_patch
-from ._tag import Tag, tagged_spawns
+from ._tag import Tag, tagged_starts
 from ._wire import exception_report, rebuild_exception
 from ._worker import WorkerConfig, end_own_descendants, exit_now, prepare_process
 
@@ -122,7 +122,7 @@ def _compute(read: Callable[..., Any], context: _Context, fn: Any, kwargs: Any =
         daemon=False,
     )
     try:
-        with tagged_spawns(tag):
+        with tagged_starts(tag, start_method, preloaded=not isinstance(start, str)):
             process.start()
         send_conn.close()
         try:

@@ -16,7 +16,7 @@ from ._compat import UPSTREAM_DEFAULTS, default_start_method, unwrap_factory
 from ._errors import DaemonicParentError
 from ._metadata import metadata_in_subprocess
 from ._options import Options
-from ._tag import Tag, new_env_tag, tagged_spawns
+from ._tag import Tag, new_env_tag, tagged_starts
 
 __all__ = [
     "StartPlan",
@@ -146,12 +146,8 @@ class StartPlan:
         return self.context or multiprocessing.get_context(self.start_method)
 
     def tagged(self, tag: Tag) -> contextlib.AbstractContextManager[None]:
-        """Around starting this plan's workers: NOTE [tagged at birth] (``_tag``) where
-        ``multiprocessing`` execs them (spawn) or CPython's fork server; a fork, or a fork of
-        the preloaded server, execs nothing and needs no patch."""
-        if self.context is not None or self.start_method == "fork":
-            return contextlib.nullcontext()
-        return tagged_spawns(tag)
+        """Around starting this plan's workers: NOTE [tagged at birth] (``_tag``)."""
+        return tagged_starts(tag, self.start_method, preloaded=self.context is not None)
 
     def watch_server(self, fifo: str) -> None:
         """The reaper behind ``fifo`` kills the preloaded server too if this process dies."""

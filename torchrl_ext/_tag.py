@@ -15,7 +15,7 @@ NOTE [tagged at birth]
 A spawned worker spends seconds importing torch before its own set-up runs; a worker of
 CPython's fork server is a fork of a process we did not start. Were the owner SIGKILLed in that
 window, neither would be known to anyone. So while a managed env starts processes
-(:func:`tagged_spawns`), ``multiprocessing``'s exec of a spawned child carries the tag in its
+(:func:`tagged_starts`), ``multiprocessing``'s exec of a spawned child carries the tag in its
 *exec* environment and leads its own process group from its first instruction, and CPython's
 fork server, when this start launches it, carries an owner-wide tag (env id
 ``<pid>.mpforkserver``) that every process it forks shows too. The external reaper's tag scan
@@ -40,7 +40,7 @@ from . import _cpython, _identity, _platform, _reaper_client
 from ._identity import OWNER_VAR, WORKER_VAR
 from ._patch import ScopedPatch
 
-__all__ = ["OWNER_VAR", "WORKER_VAR", "Tag", "new_env_tag", "read_tag", "tagged_spawns"]
+__all__ = ["OWNER_VAR", "WORKER_VAR", "Tag", "new_env_tag", "read_tag", "tagged_starts"]
 
 #: Env id suffix of the tag CPython's own fork server gets (NOTE [tagged at birth]).
 MP_FORKSERVER_SUFFIX = "mpforkserver"
@@ -122,8 +122,17 @@ def _tagging_spawnv(previous: Callable[..., int]) -> Callable[..., int]:
 _SPAWN_PATCH = ScopedPatch(*_cpython.spawn_patch_target(), _tagging_spawnv)
 
 
+def tagged_starts(tag: Tag, start_method: str, preloaded: bool) -> contextlib.AbstractContextManager[None]:
+    """Around starting processes by ``start_method`` (``preloaded``: forks of the preloaded
+    server): the patch below where ``multiprocessing`` execs them (spawn, or CPython's fork
+    server); a fork, or a fork of the preloaded server, execs nothing and needs none."""
+    if preloaded or start_method == "fork":
+        return contextlib.nullcontext()
+    return _tagged_spawns(tag)
+
+
 @contextlib.contextmanager
-def tagged_spawns(tag: Tag) -> Iterator[None]:
+def _tagged_spawns(tag: Tag) -> Iterator[None]:
     """While active, processes that ``multiprocessing`` spawns from this thread carry ``tag``
     from their exec on (NOTE [tagged at birth])."""
     previous: Any = getattr(_birth, "tag", None)
