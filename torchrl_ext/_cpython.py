@@ -108,12 +108,15 @@ _A, _C, _I, _S = _KINDS
 #: NOTE [CPython internals]: every CPython name the package relies on, what it is for.
 # fmt: off
 INVENTORY: tuple[Internal, ...] = (
-    # ---- the preloaded fork server (_forkserver); a refused connection is skipped as ECONNABORTED
-    _entry("multiprocessing.forkserver:main", _C, "our server's loop", "listener_fd alive_r preload",
-           "ECONNABORTED .accept()", owner="_forkserver"),
-    _entry("multiprocessing.forkserver:socket", _A, "main()'s listener module: ours authenticates",
+    # ---- the preloaded fork server (_forkserver): CPython's protocol, our loop
+    _entry("multiprocessing.forkserver:_serve_one", _C, "a forked child runs the process sent to it",
+           "child_r fds unused_fds handlers", "_forkserver_alive_fd _inherited_fds spawn._main",
            owner="_forkserver"),
     _entry("multiprocessing.forkserver:read_signed", _C, "a forked child's pid and exit status", "fd",
+           owner="_forkserver"),
+    _entry("multiprocessing.forkserver:write_signed", _C, "the server sends a child's pid and exit status",
+           "fd n", owner="_forkserver"),
+    _entry("multiprocessing.reduction:recvfds", _C, "the server reads a fork request's fds", "sock size",
            owner="_forkserver"),
     _entry("multiprocessing.forkserver:MAXFDS_TO_SEND", _A, "how many fds one fork request may carry",
            owner="_forkserver"),

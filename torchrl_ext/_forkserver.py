@@ -6,8 +6,9 @@ Spawn re-imports torch and TorchRL in every worker (seconds each on a small mach
 every worker with a full interpreter shutdown. Plain fork copies the owner, threads and all.
 So, once per owner process and on first use, we start one server process that imports torch,
 tensordict, TorchRL, the module defining the first env factory (and ``__main__``, as
-``multiprocessing``'s own fork server does) plus any user-listed modules, and then runs
-``multiprocessing``'s fork-server loop. Each worker is a fork of that warm process:
+``multiprocessing``'s own fork server does) plus any user-listed modules, and then runs its
+fork-server loop (ours, speaking ``multiprocessing``'s protocol). Each worker is a fork of that
+warm process:
 
 * **Start** costs a fork, not an import. Workers end with ``os._exit`` (as every forked
   ``multiprocessing`` child does), so they close fast too.
@@ -34,7 +35,8 @@ this one is separate, so a user's own forkserver (and its preload list) is untou
 
 The fork-server protocol is here too, whole: launching the server as spawn launches a child
 (:func:`interpreter_flags`, :func:`executable`, :func:`preparation_data`, :func:`prepare`),
-running ``multiprocessing``'s loop on authenticated connections (:func:`serve_forkserver`),
+the server's loop on authenticated connections (:func:`serve_forkserver`, ``multiprocessing``'s
+protocol, our loop),
 asking it for a child (:func:`request_fork`) and the context whose processes it forks
 (:func:`forkserver_context`). This module is the only user of the CPython internals that
 ``_cpython.INVENTORY`` lists with ``owner="_forkserver"`` (NOTE [CPython internals]).
@@ -43,7 +45,6 @@ asking it for a child (:func:`request_fork`) and the context whose processes it 
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import gc
 import hmac
@@ -63,6 +64,7 @@ import multiprocessing.util
 import os
 import pickle
 import select
+import selectors
 import signal
 import socket
 import subprocess
@@ -198,40 +200,101 @@ def request_fork(client: socket.socket, alive_fd: int, fds: Sequence[int]) -> tu
     return status_r, data_w
 
 
-class _AdmittingSocketModule:
-    """Stands in for the ``socket`` module in ``multiprocessing.forkserver`` inside our server:
-    the same module, except that its listener accepts only what ``admit`` admits."""
-
-    def __init__(self, admit: Callable[[socket.socket], bool]) -> None:
-        class AdmittingListener(socket.socket):
-            def accept(self) -> tuple[socket.socket, Any]:
-                conn, address = super().accept()
-                if admit(conn):
-                    return conn, address
-                conn.close()
-                # main() skips an aborted connection and goes on serving.
-                raise ConnectionAbortedError(errno.ECONNABORTED, "fork request refused")
-
-        self.socket = AdmittingListener
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(socket, name)
-
-
 def serve_forkserver(listener_fd: int, alive_r: int, admit: Callable[[socket.socket], bool]) -> None:
-    """Run CPython's fork-server loop on ``listener_fd`` until ``alive_r`` reaches EOF; every
-    connection must pass ``admit(conn)`` before its fds or request are read. A refused
-    connection is closed and the loop goes on. Forked children get the plain module back."""
+    """The server's loop, until ``alive_r`` reaches EOF (its owner let go): for every connection
+    that ``admit(conn)`` admits, read its fds and fork a child that runs the process sent to it,
+    tell the client the child's pid on the status pipe and, once it exits, its exit status.
+    Speaks ``multiprocessing``'s fork-server protocol (its clients are ``Popen``s like
+    :class:`_ServerChild`); a refused or broken connection is closed and the loop goes on."""
+    wake_r, wake_w = os.pipe()  # SIGCHLD writes here (signal.set_wakeup_fd)
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    handlers = {signal.SIGCHLD: signal.signal(signal.SIGCHLD, lambda *_: None)}
+    handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is the owner's
+    signal.set_wakeup_fd(wake_w)
+    status_of: dict[int, int] = {}  # child pid -> the status pipe its exit status goes to
+    listener = socket.socket(socket.AF_UNIX, fileno=listener_fd)
+    with listener, selectors.DefaultSelector() as selector:
+        for source in (listener, alive_r, wake_r):
+            selector.register(source, selectors.EVENT_READ)
+        while True:
+            ready = {key.fileobj for key, _ in selector.select()}
+            if alive_r in ready:
+                return
+            if wake_r in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 65536)
+                _report_exits(status_of)
+            if listener in ready:
+                # The child must not keep the server's own fds, nor the other clients' pipes.
+                server_fds = [alive_r, wake_r, wake_w, *status_of.values()]
+                _fork_one(listener, selector, admit, server_fds, handlers, status_of)
 
-    def restore() -> None:
-        setattr(multiprocessing.forkserver, "socket", socket)  # noqa: B010  (typeshed lacks it)
 
-    setattr(multiprocessing.forkserver, "socket", _AdmittingSocketModule(admit))  # noqa: B010
-    os.register_at_fork(after_in_child=restore)
+def _report_exits(status_of: dict[int, int]) -> None:
+    """Collect every exited child and send its exit status to its client."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        status_w = status_of.pop(pid, None)
+        if status_w is not None:
+            with contextlib.suppress(BrokenPipeError):  # the client is gone
+                multiprocessing.forkserver.write_signed(status_w, os.waitstatus_to_exitcode(status))
+            os.close(status_w)
+
+
+def _fork_one(
+    listener: socket.socket,
+    selector: selectors.BaseSelector,
+    admit: Callable[[socket.socket], bool],
+    server_fds: list[int],
+    handlers: dict[Any, Any],
+    status_of: dict[int, int],
+) -> None:
+    """Serve one connection: admitted, its fds read, one child forked for it."""
     try:
-        multiprocessing.forkserver.main(listener_fd, alive_r, [])
-    finally:
-        restore()
+        conn, _ = listener.accept()
+    except OSError as exc:
+        log.debug("fork server: accept failed (%s)", exc)
+        return
+    with conn:
+        if not admit(conn):
+            return
+        try:
+            fds = multiprocessing.reduction.recvfds(conn, multiprocessing.forkserver.MAXFDS_TO_SEND + 1)
+        except (OSError, RuntimeError, EOFError) as exc:
+            log.debug("fork server: a fork request carried no fds (%s)", exc)
+            return
+    if not 4 <= len(fds) <= multiprocessing.forkserver.MAXFDS_TO_SEND:
+        log.debug("fork server: refused a fork request of %d fds", len(fds))
+        for fd in fds:
+            os.close(fd)
+        return
+    data_r, status_w, *inherited = fds  # inherited: the owner's alive fd, the tracker's, the process's
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            listener.close()
+            selector.close()
+            unused = [*server_fds, status_w]
+            code = multiprocessing.forkserver._serve_one(  # type: ignore[attr-defined]
+                data_r, inherited, unused, handlers
+            )
+        except Exception:
+            sys.excepthook(*sys.exc_info())
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    with contextlib.suppress(BrokenPipeError):  # the client is gone; the child's exit is still reaped
+        multiprocessing.forkserver.write_signed(status_w, pid)
+    status_of[pid] = status_w
+    for fd in (data_r, *inherited):
+        os.close(fd)
 
 
 _connect: list[Callable[[Sequence[int]], tuple[int, int]]] = []
@@ -473,8 +536,8 @@ def serve(
 
 # --------------------------------------------------------------------------- in the owner
 class _Server:
-    """``multiprocessing``'s fork-server loop, launched our way (tag, group, preload report,
-    authenticated connections)."""
+    """The owner's side of the server: launched our way (tag, group, preload report, the key
+    its connections must prove they know), replaced when it died, stopped at exit."""
 
     def __init__(self) -> None:
         self._server_lock = threading.RLock()
