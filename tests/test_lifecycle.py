@@ -17,7 +17,7 @@ from tests.envs import make_env
 from torchrl_ext import ManagedParallelEnv
 from torchrl_ext._identity import start_time
 from torchrl_ext._lifecycle import HANDLED_SIGNALS, _handle_signal
-from torchrl_ext._tag import Tag
+from torchrl_ext._tag import read_tag
 
 
 @pytest.fixture
@@ -83,11 +83,10 @@ def test_every_descendant_inherits_the_owner_tag(tmp_path: Path) -> None:
         assert len(sims) == 2
         me = psutil.Process()
         for pid in sims:
-            environ = psutil.Process(pid).environ()
-            tag = Tag.parse(environ["TORCHRL_EXT_OWNER"])
+            tag, worker = read_tag(psutil.Process(pid))
             assert tag is not None and tag.owner_pid == me.pid
             assert abs(tag.owner_create_time - start_time(me)) < 1e-3
-            assert environ["TORCHRL_EXT_WORKER"] in {"0", "1"}
+            assert worker in {"0", "1"}
         for pid in env.worker_pids:
             assert os.getpgid(pid) == pid
     finally:

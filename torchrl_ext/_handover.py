@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from . import _identity, _reaper_client
-from ._record import WorkerRecord, worker_tree
+from ._record import WorkerRecord, kill_worker_tree
 
 __all__ = ["Handovers"]
 
@@ -45,7 +45,7 @@ class Handovers:
         """Whether slot ``index``'s standby has exited (or there is none)."""
         with self._lock:
             worker = self.standby.get(index)
-        return worker is None or worker.exited() or worker.gone()
+        return worker is None or worker.gone()
 
     def exitcode(self, index: int, wait: float = 1.0) -> int | None:
         """Slot ``index``'s standby's exit code once it exited (polled up to ``wait`` seconds:
@@ -73,7 +73,7 @@ class Handovers:
         with self._lock:
             retiring = list(self.retiring)
         for worker, deadline in retiring:
-            if worker.sentinel in ready or worker.exited() or worker.gone():
+            if worker.sentinel in ready or worker.gone():
                 worker.finished = True
                 self.end([worker])
                 with self._lock:
@@ -101,8 +101,7 @@ class Handovers:
             worker.signal(signal.SIGKILL)
         # Their groups and recorded descendants, no tag: a tag scan would match the slot's
         # current worker too (the same slot's tag). The workers are collected by read_exitcode.
-        tree = worker_tree(workers, workers, tag=None)
-        _identity.kill_and_reap(tree, grace=0.0, kill_wait=2.0, collect_late=True)
+        kill_worker_tree(workers, tag=None)
         for worker in workers:
             worker.exitcode = worker.read_exitcode(wait=2.0)
             if worker.exitcode is None:  # still exiting: collected when it can be

@@ -317,12 +317,10 @@ def _stay_behind_as_shim() -> int | None:
     pid = os.fork()
     if pid == 0:
         return None
-    while True:
-        try:
-            _pid, status = os.waitpid(pid, 0)
-            break
-        except ChildProcessError:
-            return 1
+    try:
+        _pid, status = os.waitpid(pid, 0)
+    except ChildProcessError:
+        return 1
     code = os.waitstatus_to_exitcode(status)
     return 128 - code if code < 0 else code
 

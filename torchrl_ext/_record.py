@@ -47,8 +47,6 @@ class TreeSample:
     uss: int | None
     descendants: int
     fds: int
-    #: ``time.monotonic()`` of the sample.
-    at: float
 
 
 def sample_tree(
@@ -75,8 +73,8 @@ def sample_tree(
             continue  # it ended between the listing and the read
         count += proc is not worker
     if not smaps:
-        return TreeSample(pid, rss, None, None, count, fds, time.monotonic())
-    return TreeSample(pid, rss, pss, uss, count, fds, time.monotonic())
+        return TreeSample(pid, rss, None, None, count, fds)
+    return TreeSample(pid, rss, pss, uss, count, fds)
 
 
 @dataclass(frozen=True)
@@ -277,6 +275,14 @@ def worker_tree(
         include_workers=False,
         dying=True,
     )
+
+
+def kill_worker_tree(workers: Sequence[WorkerRecord], tag: Tag | None) -> int:
+    """SIGKILL and reap what is left of ``workers`` (see :func:`worker_tree`); how many
+    processes it killed."""
+    tree = worker_tree(workers, workers, tag)
+    _terminated, killed = _identity.kill_and_reap(tree, grace=0.0, kill_wait=2.0, collect_late=True)
+    return len(killed)
 
 
 def startup_failure(

@@ -37,7 +37,7 @@ from ._channel import ParentChannel, RestartableChannel
 from ._done_signal import DoneSignal
 from ._errors import WorkerDiedError, WorkerHungError, format_exitcode
 from ._handover import Handovers
-from ._record import Loss, TreeSample, WorkerRecord, startup_failure, worker_tree
+from ._record import Loss, TreeSample, WorkerRecord, kill_worker_tree, startup_failure
 from ._report import SupervisionReport, WorkerOutcome
 from ._shutdown import close_workers
 from ._stats import EnvStats
@@ -356,10 +356,7 @@ class WorkerSupervisor:
 
     def _kill_tree(self, worker: WorkerRecord) -> int:
         """SIGKILL and reap what is left of a worker that just died."""
-        _terminated, killed = _identity.kill_and_reap(
-            worker_tree([worker], [worker], self.tag), grace=0.0, kill_wait=2.0, collect_late=True
-        )
-        return len(killed)
+        return kill_worker_tree([worker], self.tag)
 
     def startup_failure(self) -> BaseException | None:
         """The error that explains a failed start (see :func:`_record.startup_failure`)."""

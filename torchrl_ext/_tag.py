@@ -59,11 +59,6 @@ class Tag:
     def __str__(self) -> str:
         return f"{self.owner_pid}:{self.owner_create_time:.6f}:{self.env_id}"
 
-    @classmethod
-    def parse(cls, value: str) -> Tag | None:
-        parsed = _identity.parse_tag(value)
-        return None if parsed is None else cls(*parsed)
-
     @property
     def owner(self) -> _identity.ProcessKey:
         """``(pid, create time)`` of the owning process."""
