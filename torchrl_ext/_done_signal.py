@@ -304,10 +304,6 @@ class NotifyingFlags:
         return len(self._flags)
 
 
-#: Longest pause between checks of a wait on TorchRL 0.10's events.
-_EVENT_SLICE = 0.02
-
-
 class Answers:
     """ "Has slot i answered?": TorchRL >= 0.11's shared done flags, or 0.10's per-worker events.
 
@@ -380,7 +376,7 @@ class Answers:
         def pause(seconds: float) -> None:
             events[waiting[0]].wait(seconds)
 
-        outcome = wait_for(look, deadline, f"no answer within {timeout:g} s", sleep=pause, slice=_EVENT_SLICE)
+        outcome = wait_for(look, deadline, f"no answer within {timeout:g} s", sleep=pause)
         if outcome:
             return outcome
         if late == "return":

@@ -288,7 +288,7 @@ class ManagedParallelEnv(ParallelEnv):
     def _set_properties(self) -> None:
         super()._set_properties()
         state: EnvState | None = self.__dict__.get("_managed_state")
-        if state is not None and state.keeper.on:
+        if state is not None and state.keeper.restarts_on:
             added = add_restart_keys(self)
             if Upstream(self).owns_workers:  # a view's keys are its owner's
                 state.keeper.mark_keys = added

@@ -58,10 +58,10 @@ class ConfiguredKwargs(dict[str, Any]):
 
     def __init__(self, items: Any, config: WorkerConfig) -> None:
         super().__init__(items or {})
-        self.trx_config = config
+        self.worker_config = config
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ConfiguredKwargs, (dict(self), self.trx_config))
+        return (ConfiguredKwargs, (dict(self), self.worker_config))
 
 
 def _resolve_entry(name: str) -> Callable[..., Any]:
@@ -91,7 +91,7 @@ class _ManagedEntry:
             self._previous(*args, **kwargs)
             return
         kwargs[key] = dict(env_kwargs)
-        config = env_kwargs.trx_config
+        config = env_kwargs.worker_config
         _worker.run_managed(self._previous, config, kwargs)
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -192,10 +192,10 @@ class SupervisedWorkers(list[Any]):
     @classmethod
     def none(cls) -> SupervisedWorkers:
         """The list of a closed env: no workers, nothing to report."""
-        return cls([], _no_faults)
+        return cls([], _closed_env_check)
 
 
-def _no_faults() -> None:
+def _closed_env_check() -> None:
     """Fault check of a closed env."""
 
 

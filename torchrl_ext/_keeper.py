@@ -54,8 +54,8 @@ __all__ = ["RestartRecord", "SlotKeeper", "raise_failure"]
 
 log = logging.getLogger("torchrl_ext")
 
-#: One round of replacements: per slot, its starting worker, the loss it replaces, its backoff.
-Round = dict[int, tuple[StartingWorker, Loss, float]]
+#: The replacements of one round: per slot, its starting worker, the loss it replaces, its backoff.
+Replacements = dict[int, tuple[StartingWorker, Loss, float]]
 
 
 # --------------------------------------------------------------------------- the keeper
@@ -63,21 +63,21 @@ class SlotKeeper:
     """Everything one env does to keep each slot served by a live worker: its own wait (where
     losses and hangs are noticed), the restart policy, the replacements, the marks, the send
     hooks, recycling's boundaries. The env calls it; it calls the supervisor's operations.
-
-    Fields and who changes them (the env's calling thread only, never the watcher):
-    ``restarts`` grows by one record per replacement or recycling (never shrinks); ``slots``
-    holds what the keeper and the recycler remember per slot (``_slots.Slot``: its seed,
-    incarnation, mark, ...); ``starter`` holds the templates and the plan, set by
-    :meth:`adopt` at each start and dropped by :meth:`forget`; ``mark_keys`` is set once the
-    specs are known.
+    Its fields are written on the env's calling thread only, never by the watcher.
     """
 
     def __init__(self, options: Options) -> None:
+        #: The env's options; replaced whole by :meth:`use_options`.
         self.options = options
+        #: The losses restarted within ``restart_window``; :meth:`_allow` records each.
         self.budget = RestartBudget(options.max_restarts, options.restart_window)
+        #: Each slot's row of quick losses and the wait it gives the next replacement (:meth:`_start_round`).
         self.backoff = Backoff(options.restart_backoff)
+        #: One record per replacement or recycling; only grows.
         self.restarts: list[RestartRecord] = []
+        #: The templates and the plan: set by :meth:`adopt` at each start, dropped by :meth:`forget`.
         self.starter = WorkerStarter()
+        #: What the keeper and the recycler remember per slot (``_slots.Slot``).
         self.slots = Slots()
         #: Recycling's policy over the slots; ``None`` when recycling is off (set once, here).
         self.recycler = Recycler(options, self.starter, self.slots) if options.recycling else None
@@ -85,7 +85,7 @@ class SlotKeeper:
         self.mark_keys: list[str] = []
 
     @property
-    def on(self) -> bool:
+    def restarts_on(self) -> bool:
         """Restarts (and their marks) are on."""
         return self.options.max_restarts > 0
 
@@ -314,10 +314,10 @@ class SlotKeeper:
         failure = lost.failure
         history = "; ".join(str(r) for r in self.restarts[-5:]) or "none"
         detail = f"{reason}; restarts so far ({len(self.restarts)}): {history}"
-        timed_out = self.slots[lost.index].start_timed_out
-        if isinstance(failure, WorkerHungError) and timed_out is not None and timed_out[0] == lost.pid:
+        timed_out = self._start_timed_out(lost)
+        if isinstance(failure, WorkerHungError) and timed_out is not None:
             failure = WorkerStartTimeoutError(
-                lost.index, lost.pid, failure.timeout, timed_out[1], detail, failure.stacks
+                lost.index, lost.pid, failure.timeout, timed_out, detail, failure.stacks
             )
         elif isinstance(failure, WorkerHungError):
             failure = WorkerHungError(
@@ -329,13 +329,17 @@ class SlotKeeper:
             )
         elif failure is None:
             failure = WorkerDiedError(lost.index, lost.pid, lost.exitcode, lost.channel.last_command, detail)
-        elif self.on:
+        elif self.restarts_on:
             failure.add_note(f"torchrl_ext: worker {lost.index} (pid {lost.pid}) not restarted: {detail}")
         raise_failure(supervisor.give_up(failure))
 
-    def _cause(self, lost: Loss) -> int | str | None:
+    def _start_timed_out(self, lost: Loss) -> str | None:
+        """The env factory the lost worker was killed building (``start_timeout``); None if not."""
         timed_out = self.slots[lost.index].start_timed_out
-        if timed_out is not None and timed_out[0] == lost.pid:
+        return timed_out[1] if timed_out is not None and timed_out[0] == lost.pid else None
+
+    def _cause(self, lost: Loss) -> int | str | None:
+        if self._start_timed_out(lost) is not None:
             return "start_timeout"
         if lost.hung:
             return "hung"
@@ -352,32 +356,32 @@ class SlotKeeper:
         """One round: start a replacement for every loss (each after its backoff), await all
         their handshakes, seed them, then replay, reset and mark each; a replacement lost in
         the round is a loss of the next. Returns the records of this round."""
-        launches = self._launch_round(env, supervisor, losses)
+        workers = self._start_round(env, supervisor, losses)
         for slot in handshake(
             supervisor,
-            [launch for launch, _l, _d in launches.values()],
+            [worker for worker, _l, _d in workers.values()],
             self.options.start_limit(env.pipe_timeout),
         ):
             self.slots[slot].start_timed_out = (
-                launches[slot][0].process.pid,
+                workers[slot][0].process.pid,
                 describe_factory(env.factory_of(slot)),
             )
-        ready = {slot: item for slot, item in launches.items() if item[0].ready}
+        ready = {slot: item for slot, item in workers.items() if item[0].ready}
         seeds = self._seed_round(supervisor, env, ready)
         records = self._record_round(supervisor, ready, seeds)
         self._reset_round(env, supervisor, ready, owed, in_flight)
         return records
 
-    def _launch_round(self, env: Upstream, supervisor: WorkerSupervisor, losses: list[Loss]) -> Round:
+    def _start_round(self, env: Upstream, supervisor: WorkerSupervisor, losses: list[Loss]) -> Replacements:
         """Start each loss's replacement once its backoff (``restart_backoff``) has passed, the
-        earliest due first, and install it: ``slot -> (launch, loss, backoff)``."""
+        earliest due first, and install it: ``slot -> (worker, loss, backoff)``."""
         now_started, now = _identity.clock(), time.monotonic()
         plans = []
         for lost in losses:
             lived = (now_started - (now - lost.lost_at)) - lost.create_time
             delay = self.backoff.delay(lost.index, lived)
             plans.append((lost.lost_at + delay, delay, lost))
-        launches: Round = {}
+        workers: Replacements = {}
         for due, delay, lost in sorted(plans, key=lambda plan: plan[0]):
             pause = due - time.monotonic()
             if pause > 0:
@@ -386,47 +390,47 @@ class SlotKeeper:
                 self.recycler.forget_slot(supervisor, lost.index)
             supervisor.forget_report(lost.index)
             Answers(env.owner.done_flags, None).clear(lost.index)  # its last answer may be there
-            launch = self.starter.start(lost.index, supervisor.tag)
+            worker = self.starter.start(lost.index, supervisor.tag)
             self.slots[lost.index].new_worker()
-            self.starter.install(env, launch, supervisor.replace(lost.index, launch.process, launch.channel))
+            self.starter.install(env, worker, supervisor.replace(lost.index, worker.process, worker.channel))
             if self.recycler is not None:
-                self._hook(env.owner.env, supervisor, lost.index, launch.channel)
-            launches[lost.index] = (launch, lost, delay)
-        return launches
+                self._hook(env.owner.env, supervisor, lost.index, worker.channel)
+            workers[lost.index] = (worker, lost, delay)
+        return workers
 
     def _seed_round(
         self,
         supervisor: WorkerSupervisor,
         env: Upstream,
-        ready: Round,
+        ready: Replacements,
     ) -> dict[int, tuple[StartingWorker, int, bool]]:
         """Count each ready replacement's incarnation and seed those whose slot was seeded
         (``replacement_seed``), all at once. Returns what each was sent."""
         seeds: dict[int, tuple[StartingWorker, int, bool]] = {}
-        for slot, (launch, _lost, _delay) in ready.items():
+        for slot, (worker, _lost, _delay) in ready.items():
             seed = self.slots[slot].next_seed()
             if seed is not None:
-                seeds[slot] = (launch, *seed)
+                seeds[slot] = (worker, *seed)
         seed_all(supervisor, seeds, self.options.answer_limit(env.pipe_timeout))
         return seeds
 
     def _record_round(
         self,
         supervisor: WorkerSupervisor,
-        ready: Round,
+        ready: Replacements,
         seeds: dict[int, tuple[StartingWorker, int, bool]],
     ) -> list[RestartRecord]:
         """A record in ``env.restarts`` (and a warning) for each replacement still ready, in the
         order the losses were seen (a backoff may have started a later one first)."""
         records = []
-        for slot, (launch, lost, delay) in sorted(ready.items(), key=lambda item: item[1][1].lost_at):
-            if not launch.ready:
+        for slot, (worker, lost, delay) in sorted(ready.items(), key=lambda item: item[1][1].lost_at):
+            if not worker.ready:
                 continue
             waited = time.monotonic() - lost.lost_at
             record = RestartRecord(
                 slot,
                 lost.pid,
-                launch.process.pid,
+                worker.process.pid,
                 self._cause(lost),
                 lost.channel.last_command,
                 time.time() - waited,
@@ -450,7 +454,7 @@ class SlotKeeper:
         self,
         env: Upstream,
         supervisor: WorkerSupervisor,
-        ready: Round,
+        ready: Replacements,
         owed: dict[int, tuple[str | None, Any]],
         in_flight: Collection[int],
     ) -> None:
@@ -458,20 +462,20 @@ class SlotKeeper:
         mark the slot's transition now (a step in flight) or at its next step (lost between
         calls: the send hook)."""
         to_reset = []
-        for slot, (launch, _lost, _delay) in ready.items():
+        for slot, (worker, _lost, _delay) in ready.items():
             command, message = owed[slot]
-            if not launch.ready:
+            if not worker.ready:
                 continue
             if slot in in_flight and command == "reset":
-                launch.channel.send(message)  # the same reset again, on the new env; answered as usual
+                worker.channel.send(message)  # the same reset again, on the new env; answered as usual
             else:
-                to_reset.append(launch)
+                to_reset.append(worker)
         reset_all(supervisor, env, to_reset, self.options.answer_limit(env.pipe_timeout))
         owner = env.owner
-        for launch in to_reset:
-            if not launch.ready:
+        for worker in to_reset:
+            if not worker.ready:
                 continue
-            slot = launch.slot
+            slot = worker.slot
             # TorchRL's partial reset of other slots copies a slot's last "next" over its
             # root: the root cannot be trusted to still hold this observation at the mark.
             self.slots[slot].fresh_obs = owner.slot_buffers[slot].select(*owner.obs_keys).clone()
@@ -479,8 +483,8 @@ class SlotKeeper:
                 self._mark(env, slot)
             else:  # lost between calls: the slot's next step is answered by a mark
                 self.slots[slot].owes_mark = True
-                if launch.channel.hook is None:
-                    self._hook(owner.env, supervisor, slot, launch.channel)
+                if worker.channel.hook is None:
+                    self._hook(owner.env, supervisor, slot, worker.channel)
 
     def notify(self, record: RestartRecord) -> None:
         """``on_restart``, in the main process: an exception there is logged, never raised (the

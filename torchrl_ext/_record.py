@@ -98,35 +98,49 @@ class Loss:
 
 @dataclass(eq=False)
 class WorkerRecord:
-    """One worker process of one start, from its start until it is reaped."""
+    """One worker process of one start, from its start until it is reaped. Each field: its
+    invariant; who writes it. "Whoever ends it": the supervisor at the exit of a worker it holds
+    (watcher or poll, under its lock), the handovers for a standby or retiring worker, the close
+    (``_shutdown``) for those left at close."""
 
+    #: The slot it holds, or will hold as a standby. Set at start.
     index: int
-    process: Any  # multiprocessing.Process
+    #: Its ``multiprocessing.Process``, kept after its exit (``release_process``). Set at start.
+    process: Any
+    #: Its pid; with ``create_time``, its identity (:attr:`key`). Set at start.
     pid: int
     create_time: float
+    #: The parent's end of its pipe. Set at start.
     channel: ParentChannel
+    #: Its live descendants, as last seen; replaced whole, never changed in place. :meth:`refresh`.
     descendants: dict[_identity.ProcessKey, psutil.Process] = field(default_factory=dict)
+    #: Why it was lost (a ``WorkerError``, or its env's exception); ``None`` while it runs. The supervisor.
     failure: BaseException | None = None
+    #: Its exit code, once collected (``None`` before, or if it could not be). Whoever ends it.
     exitcode: int | None = None
+    #: How many descendants were killed with its tree at its exit. The supervisor.
     descendants_killed: int = 0
-    #: Set once, when its exit is noticed (watcher or poll, under the supervisor's lock).
+    #: Set once, when its exit is noticed. Whoever ends it.
     finished: bool = False
+    #: What a wait on its exit wakes on: its pidfd, else its ``multiprocessing`` sentinel. Set at start.
     sentinel: int = -1
+    #: Its pidfd; ``None`` where there is none, or once closed by whoever ends it.
     pidfd: int | None = None
-    #: Set when the env killed it for not answering within ``hang_timeout`` seconds.
+    #: Set when the env killed it for not answering within ``hang_timeout`` seconds (set with it).
+    #: The supervisor's ``kill_hung``.
     hung: bool = False
     hang_timeout: float = 0.0
     #: What the hung worker's threads were doing when it was killed (``_stacks``), if it said.
     stacks: str | None = None
     #: Its memory cgroup and that cgroup's OOM-kill count, as of the last refresh (``None``:
-    #: unknown); compared at its death (:meth:`oom_kill`).
+    #: unknown); compared at its death (:meth:`oom_kill`). :meth:`refresh`.
     cgroup: str | None = None
     oom_kills: int | None = None
-    #: Set at its death when the kernel's OOM killer killed it.
+    #: Set at its death when the kernel's OOM killer killed it. The supervisor.
     oom: OomKill | None = None
-    #: ``time.monotonic()`` when its exit was noticed.
+    #: ``time.monotonic()`` when its exit was noticed. The supervisor, with ``finished``.
     lost_at: float = 0.0
-    #: Set once its exit has been handled (tree killed, failure recorded).
+    #: Set once its exit has been handled (tree killed, failure recorded). Whoever ends it.
     handled: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:

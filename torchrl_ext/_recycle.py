@@ -72,21 +72,24 @@ _PREPARE = "reset its env ahead"
 class Recycler:
     """What one env does to recycle its workers (see the module docstring); its per-slot state
     is the slots' (``_slots.Slot``: ``episodes``, ``due``, ``standby``, ``prepared``, ...).
-
-    Fields (the env's calling thread only): ``finished`` holds the records of swaps whose new
-    worker answered its first reset, until the keeper takes them (:meth:`take_finished`);
-    ``_seen_samples`` the supervisor's last memory sample looked at; ``_warned_rss`` whether
-    this env warned that RSS is its measure (once).
+    Its fields are written on the env's calling thread only.
     """
 
     def __init__(self, options: Options, starter: WorkerStarter, slots: Slots) -> None:
+        #: ``recycle_memory`` and ``recycle_every``, as given (``None``: that cause is off). Set here only.
         self.memory = options.recycle_memory
         self.every = options.recycle_every
+        #: The env's options; replaced whole by the keeper's ``use_options``.
         self.options = options
+        #: The keeper's starter and slots, shared (the keeper owns them).
         self.starter = starter
         self.slots = slots
+        #: Records of swaps whose new worker answered its first reset, until
+        #: :meth:`take_finished` hands them to the keeper.
         self.finished: list[RestartRecord] = []
+        #: The supervisor's last memory sample looked at (:meth:`pending`).
         self._seen_samples: object = None
+        #: Whether this env warned, once, that RSS is its measure.
         self._warned_rss = False
 
     def forget(self) -> None:
@@ -141,48 +144,50 @@ class Recycler:
         and have them reset it ahead (NOTE [prepared reset]); read the answers that came."""
         for slot in self.slots.due():
             if slot.standby is None:
-                self._launch(supervisor, slot)
+                self._start_standby(supervisor, slot)
         for slot in self.slots:
-            launch = slot.standby
-            if launch is not None and (launch.ready or self._try_ready(env, supervisor, slot, wait=False)):
+            standby = slot.standby
+            if standby is not None and (standby.ready or self._try_ready(env, supervisor, slot, wait=False)):
                 self._prepared_reset(supervisor, slot)
 
-    def _launch(self, supervisor: WorkerSupervisor, slot: Slot) -> None:
+    def _start_standby(self, supervisor: WorkerSupervisor, slot: Slot) -> None:
         supervisor.forget_report(slot.index)
-        launch = self.starter.start(slot.index, supervisor.tag)
-        launch.channel = supervisor.add_standby(slot.index, launch.process, launch.channel)
-        slot.standby = launch
+        standby = self.starter.start(slot.index, supervisor.tag)
+        standby.channel = supervisor.add_standby(slot.index, standby.process, standby.channel)
+        slot.standby = standby
         slot.standby_seed = slot.next_seed()
 
     def _try_ready(self, env: Upstream, supervisor: WorkerSupervisor, slot: Slot, wait: bool) -> bool:
         """Finish the standby's handshake (and seeding) as a replacement's (``_starting``); with
         ``wait``, up to ``start_timeout``. A standby that died or is late is discarded (started
         again at the next call)."""
-        launch = slot.standby
-        assert launch is not None
+        standby = slot.standby
+        assert standby is not None
         limit = self.options.start_timeout
-        deadline = launch.launched_at + (limit if limit is not None else math.inf)
-        look = functools.partial(_answered_or_gone, supervisor, slot.index, launch)
-        sleep = on([launch.channel, launch.process.sentinel])
+        deadline = standby.started_at + (limit if limit is not None else math.inf)
         limit_name = "no start_timeout" if limit is None else f"start_timeout={limit:g}s"
         answer_limit = self.options.answer_limit(env.pipe_timeout)
-        got = wait_for(look, deadline, limit_name, sleep=sleep) if wait else look()
+        got: Literal["answered", "gone"] | Late | None
+        if wait:
+            got = _wait_answered_or_gone(supervisor, slot.index, standby, deadline, limit_name)
+        else:
+            got = _answered_or_gone(supervisor, slot.index, standby)
         if not got and not wait and time.monotonic() < deadline:
             return False  # not built yet: looked at again at the next call
         phase, late = "build its env", None
         if isinstance(got, Late) or not got:
             late = limit_name
-        elif got == "answered" and finish_handshake(launch, answer_limit):
+        elif got == "answered" and finish_handshake(standby, answer_limit):
             seed = slot.standby_seed
             if seed is None:
                 return True
-            send_seed(launch, *seed)
+            send_seed(standby, *seed)
             phase = "answer its seed"
-            if not launch.channel.poll(answer_limit):
+            if not standby.channel.poll(answer_limit):
                 late = self.options.describe_answer_limit(env.pipe_timeout)
-            elif read_answer(launch.channel):
+            elif read_answer(standby.channel):
                 return True
-            launch.ready = False
+            standby.ready = False
         self._drop(supervisor, slot, phase, late)
         return False
 
@@ -190,30 +195,26 @@ class Recycler:
         """NOTE [prepared reset]: ask the ready standby to reset its env ahead (once), and read
         its answer if it came (no wait). True once read; False while it is not there yet, or
         if the standby died (dropped then)."""
-        launch = slot.standby
-        assert launch is not None
+        standby = slot.standby
+        assert standby is not None
         if slot.prepared is None:
-            launch.channel.send((PREPARE_RESET, None))
+            standby.channel.send((PREPARE_RESET, None))
             slot.prepared = "sent"
         if slot.prepared == "answered":
             return True
-        return launch.channel.poll(0) and self._read_prepared(supervisor, slot)
+        return standby.channel.poll(0) and self._read_prepared(supervisor, slot)
 
     def _await_prepared(self, supervisor: WorkerSupervisor, slot: Slot, env: Upstream) -> bool:
         """:meth:`_prepared_reset`, waiting for the answer up to the answer limit. False if the
         standby died or passed that limit (dropped then)."""
         if self._prepared_reset(supervisor, slot):
             return True
-        launch = slot.standby
-        if launch is None:  # it died: dropped
+        standby = slot.standby
+        if standby is None:  # it died: dropped
             return False
         deadline = time.monotonic() + self.options.answer_limit(env.pipe_timeout)
-        got = wait_for(
-            functools.partial(_answered_or_gone, supervisor, slot.index, launch),
-            deadline,
-            self.options.describe_answer_limit(env.pipe_timeout),
-            sleep=on([launch.channel, launch.process.sentinel]),
-        )
+        limit_name = self.options.describe_answer_limit(env.pipe_timeout)
+        got = _wait_answered_or_gone(supervisor, slot.index, standby, deadline, limit_name)
         if got != "answered":
             self._drop(supervisor, slot, _PREPARE, got.reason if isinstance(got, Late) else None)
             return False
@@ -221,9 +222,9 @@ class Recycler:
 
     def _read_prepared(self, supervisor: WorkerSupervisor, slot: Slot) -> bool:
         """Read the standby's answer to :data:`PREPARE_RESET` (it is in its pipe, or EOF)."""
-        launch = slot.standby
-        assert launch is not None
-        if not read_answer(launch.channel):
+        standby = slot.standby
+        assert standby is not None
+        if not read_answer(standby.channel):
             self._drop(supervisor, slot, _PREPARE)
             return False
         slot.prepared = "answered"
@@ -233,8 +234,8 @@ class Recycler:
         """The standby exited before it could do ``phase``, or did not do it within ``late``
         (the limit, named): kill it; the slot's current worker goes on. The warning says
         which, with the exit code of one that exited."""
-        launch = slot.standby
-        assert launch is not None
+        standby = slot.standby
+        assert standby is not None
         if late is not None:
             why = f"it did not {phase} within {late}"
         else:
@@ -245,7 +246,7 @@ class Recycler:
             "worker goes on, and another is started at the next call",
             supervisor.label,
             slot.index,
-            launch.process.pid,
+            standby.process.pid,
             why,
         )
         self._forget_standby(supervisor, slot)
@@ -309,9 +310,9 @@ class Recycler:
         if self.memory is not None and slot.due is None:
             held = self._held(supervisor, slot, self.memory)
             if held is not None:
-                grew = max(0, held - _or(slot.held_at, held))
-                slot.held_at = held
-                if held + grew > self.memory:  # over, or would be after one more such episode
+                over = _after_one_more(slot, held) > self.memory  # now, or after one more
+                slot.boundary_memory = held
+                if over:
                     slot.due = "memory"
 
     def _held(self, supervisor: WorkerSupervisor, slot: Slot, cap: int) -> int | None:
@@ -323,13 +324,13 @@ class Recycler:
             return None
         if not self._unique(supervisor):
             return tree.rss
-        if tree.rss + max(0, tree.rss - _or(slot.held_at, tree.rss)) <= cap:
+        if _after_one_more(slot, tree.rss) <= cap:
             return None
         now = time.monotonic()
         last = slot.reading
         if last is not None and now < last.until:
             estimate = last.uss + max(0, tree.rss - last.rss)
-            if estimate + max(0, estimate - _or(slot.held_at, estimate)) <= cap:
+            if _after_one_more(slot, estimate) <= cap:
                 return estimate
         t0 = time.perf_counter()
         tree = supervisor.sample_tree(slot.index, smaps=True)
@@ -345,10 +346,10 @@ class Recycler:
         before the boundary) and its prepared reset awaited. Every standby's env is reset ahead,
         late or not, so that the slot's data never depends on when it got ready (a reset with
         an input is the env's second either way)."""
-        launch = slot.standby
-        if launch is None:
+        standby = slot.standby
+        if standby is None:
             return False
-        if not launch.ready and not self._try_ready(env, supervisor, slot, wait=True):
+        if not standby.ready and not self._try_ready(env, supervisor, slot, wait=True):
             return False
         return self._await_prepared(supervisor, slot, env)
 
@@ -356,19 +357,20 @@ class Recycler:
         """The standby takes the slot; the old worker retires (it is sent "close" once the new
         one has answered its first reset: the two do not share the cores meanwhile). Returns
         the new channel."""
-        launch, cause, seed = slot.drop_standby(), slot.due, slot.standby_seed
-        assert launch is not None and cause is not None
-        slot.due, slot.standby_seed = None, None
+        cause, seed = slot.due, slot.standby_seed
+        standby = slot.drop_standby()
+        assert standby is not None and cause is not None
+        slot.due = None
         old_pid = supervisor.pids()[slot.index]
         new, old = supervisor.promote(slot.index, self.options.shutdown_timeout)
         assert isinstance(new, RestartableChannel) and isinstance(old, RestartableChannel)
-        self.starter.install(env, launch, new)
+        self.starter.install(env, standby, new)
         new.hook, old.hook = old.hook, None
         slot.new_worker()
         record = RestartRecord(
             slot.index,
             old_pid,
-            launch.process.pid,
+            standby.process.pid,
             cause,
             command,
             time.time(),
@@ -399,16 +401,27 @@ class Recycler:
 
 
 def _answered_or_gone(
-    supervisor: WorkerSupervisor, index: int, launch: StartingWorker
+    supervisor: WorkerSupervisor, index: int, standby: StartingWorker
 ) -> Literal["answered", "gone"] | None:
-    """Whether slot ``index``'s standby ``launch`` answered (its pipe has data), or exited."""
-    if launch.channel.poll(0):
+    """Whether slot ``index``'s ``standby`` answered (its pipe has data), or exited."""
+    if standby.channel.poll(0):
         return "answered"
     return "gone" if supervisor.handovers.gone(index) else None
 
 
-def _or(value: int | None, default: int) -> int:
-    return default if value is None else value
+def _wait_answered_or_gone(
+    supervisor: WorkerSupervisor, index: int, standby: StartingWorker, deadline: float, limit: str
+) -> Literal["answered", "gone"] | Late | None:
+    """:func:`_answered_or_gone`, waited for until ``deadline`` (``limit`` names it if late)."""
+    look = functools.partial(_answered_or_gone, supervisor, index, standby)
+    return wait_for(look, deadline, limit, sleep=on([standby.channel, standby.process.sentinel]))
+
+
+def _after_one_more(slot: Slot, held: int) -> int:
+    """The slot's memory after one more episode that grows it as much as the last one did,
+    from ``held`` now and what it held at its last boundary."""
+    last = held if slot.boundary_memory is None else slot.boundary_memory
+    return held + max(0, held - last)
 
 
 def _episode_ended(owner: Upstream, slot: int) -> bool:

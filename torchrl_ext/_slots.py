@@ -76,7 +76,7 @@ class Slot:
     #: Its ``step_and_maybe_reset`` in flight was sent as ``step`` (a standby waits).
     translated: bool = False
     #: Its tree's memory (NOTE [unique memory]) at its last boundary; ``None``: not read yet.
-    held_at: int | None = None
+    boundary_memory: int | None = None
     #: Its last USS read, from which an estimate may stand.
     reading: Reading | None = None
     #: Set at a swap until the new worker answered its first reset.
@@ -94,11 +94,12 @@ class Slot:
         """A new worker holds the slot: it owes no mark yet; its episode count and memory
         readings start over."""
         self.owes_mark = False
-        self.episodes, self.held_at, self.reading = 0, None, None
+        self.episodes, self.boundary_memory, self.reading = 0, None, None
 
     def drop_standby(self) -> StartingWorker | None:
-        """Forget the standby (and its prepared reset); return it, for its process to be ended."""
-        standby, self.standby, self.prepared = self.standby, None, None
+        """Forget the standby (its seed and prepared reset too); return it, for its process to be
+        ended."""
+        standby, self.standby, self.standby_seed, self.prepared = self.standby, None, None, None
         return standby
 
     def end_recycling(self) -> None:
@@ -107,7 +108,6 @@ class Slot:
         self.new_worker()
         self.due, self.translated, self.swap = None, False, None
         self.drop_standby()
-        self.standby_seed = None
 
 
 class Slots:

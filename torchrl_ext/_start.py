@@ -87,7 +87,7 @@ def start_workers(env: Any, state: EnvState, start_upstream: Callable[[], None])
             return
         except WorkerStartTimeoutError as err:
             keeper = state.keeper
-            if not keeper.on or not keeper.budget.allows(time.monotonic()):
+            if not keeper.restarts_on or not keeper.budget.allows(time.monotonic()):
                 raise
             log.warning("%s; starting all workers again (max_restarts=%d)", err, state.options.max_restarts)
 
@@ -226,7 +226,7 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
         abort_start(env, supervisor, err, options.shutdown_timeout)
         raise
     # Losses (not failures) from here on: the start succeeded (a failed one reports deaths).
-    supervisor.enable_restarts(keeper.on, replaceable=options.replaceable_workers)
+    supervisor.enable_restarts(keeper.restarts_on, replaceable=options.replaceable_workers)
     upstream.channels = supervisor.attach(processes, upstream.channels)
     keeper.attached(env, supervisor)
     upstream.workers = SupervisedWorkers(processes, supervisor.check)

@@ -114,7 +114,7 @@ class StartingWorker:
     #: Its done event (TorchRL 0.10 waits on events).
     done_event: Any
     #: ``time.monotonic()`` when it was started.
-    launched_at: float
+    started_at: float
     #: TorchRL >= 0.15's metadata path: the shared buffers' hand-off its slot got at the
     #: env's start, sent again once it reports its specs (``None``: it answers "started").
     handoff: Any = None
@@ -161,7 +161,7 @@ class WorkerStarter:
         if isinstance(env_kwargs, ConfiguredKwargs):
             arm = _platform.parent_death_outlives_worker(process_start_method(template))
             kwargs[key] = ConfiguredKwargs(
-                dict(env_kwargs), dataclasses.replace(env_kwargs.trx_config, arm_pdeathsig=arm)
+                dict(env_kwargs), dataclasses.replace(env_kwargs.worker_config, arm_pdeathsig=arm)
             )
         self.plan.refresh(self.fifo)
         process = copy_unstarted(template, kwargs)
@@ -183,17 +183,17 @@ class WorkerStarter:
             env.channels = channels
         self.handoffs = [recorder.first for recorder in recorders]
 
-    def install(self, env: Upstream, launch: StartingWorker, channel: Any) -> None:
-        """Put ``launch`` (recorded by the supervisor as ``channel``) in the owner's lists and
+    def install(self, env: Upstream, worker: StartingWorker, channel: Any) -> None:
+        """Put ``worker`` (recorded by the supervisor as ``channel``) in the owner's lists and
         in those of every indexed view holding its slot (TorchRL >= 0.14 gives a view lists of
         its own, indexed by its position in the view)."""
-        launch.channel = channel
-        for holder, position in self._holders_of(env.owner, launch.slot):
-            holder.workers[position] = launch.process
+        worker.channel = channel
+        for holder, position in self._holders_of(env.owner, worker.slot):
+            holder.workers[position] = worker.process
             holder.channels[position] = channel
             events = holder.events
             if events is not None:
-                events[position] = launch.done_event
+                events[position] = worker.done_event
 
     def _holders_of(self, owner: Upstream, slot: int) -> list[tuple[Upstream, int]]:
         found = [(owner, slot)]
@@ -269,50 +269,61 @@ def await_all(
     return lost, late
 
 
-def handshake(supervisor: WorkerSupervisor, launches: Collection[StartingWorker], limit: float) -> set[int]:
-    """TorchRL's handshake with every launch at once: each says it built its env, then is sent
+def _await_pipes(
+    supervisor: WorkerSupervisor,
+    workers: Collection[StartingWorker],
+    limit: float,
+    from_start: bool = False,
+) -> tuple[set[int], set[int]]:
+    """:func:`await_all` over the workers' pipes: each ready once its answer is there to read;
+    ``limit`` counts from each one's start with ``from_start``, else from now."""
+    waits = {worker.slot: (lambda c=worker.channel: bool(c.poll(0))) for worker in workers}
+    channels = {worker.slot: worker.channel for worker in workers}
+    since = {worker.slot: worker.started_at for worker in workers} if from_start else None
+    return await_all(supervisor, waits, limit, channels, since)
+
+
+def handshake(supervisor: WorkerSupervisor, workers: Collection[StartingWorker], limit: float) -> set[int]:
+    """TorchRL's handshake with every worker at once: each says it built its env, then is sent
     "init". Returns the slots lost meanwhile (``limit``: ``start_timeout``); the others are ready."""
-    waits = {launch.slot: (lambda c=launch.channel: bool(c.poll(0))) for launch in launches}
-    channels = {launch.slot: launch.channel for launch in launches}
-    since = {launch.slot: launch.launched_at for launch in launches}
-    lost, late = await_all(supervisor, waits, limit, channels, since)
-    for launch in launches:
-        if launch.slot not in lost and not finish_handshake(launch, limit):
-            supervisor.wait_handled(launch.slot, LOSS_WAIT)
-            lost.add(launch.slot)
+    lost, late = _await_pipes(supervisor, workers, limit, from_start=True)
+    for worker in workers:
+        if worker.slot not in lost and not finish_handshake(worker, limit):
+            supervisor.wait_handled(worker.slot, LOSS_WAIT)
+            lost.add(worker.slot)
     return late
 
 
-def finish_handshake(launch: StartingWorker, limit: float) -> bool:
-    """The end of TorchRL's handshake with one launch whose first answer is in its pipe: read
-    it ("started"; or its specs, then :func:`hand_off`), send "init"; ``launch`` is then
+def finish_handshake(worker: StartingWorker, limit: float) -> bool:
+    """The end of TorchRL's handshake with one worker whose first answer is in its pipe: read
+    it ("started"; or its specs, then :func:`hand_off`), send "init"; ``worker`` is then
     ``ready``. False if it died while building its env (EOF), or failed the hand-off."""
-    if launch.handoff is not None:
-        if not hand_off(launch, limit):
+    if worker.handoff is not None:
+        if not hand_off(worker, limit):
             return False
-    elif not read_answer(launch.channel):
+    elif not read_answer(worker.channel):
         return False
-    launch.channel.send(("init", None))
-    launch.ready = True
+    worker.channel.send(("init", None))
+    worker.ready = True
     return True
 
 
-def hand_off(launch: StartingWorker, limit: float) -> bool:
-    """TorchRL >= 0.15's metadata path (#4341), for one launch whose specs are in its pipe:
+def hand_off(worker: StartingWorker, limit: float) -> bool:
+    """TorchRL >= 0.15's metadata path (#4341), for one worker whose specs are in its pipe:
     send it its slot's shared buffers as the start did, and read its "started" (``limit``
     seconds at most: a worker silent that long is killed). False if it failed on the way."""
-    channel = launch.channel
+    channel = worker.channel
     try:
         kind, detail = channel.recv()  # ("metadata", specs) or ("metadata_error", traceback)
     except Exception:
         return False
     if kind != "metadata":
-        slot, pid = launch.slot, launch.process.pid
+        slot, pid = worker.slot, worker.process.pid
         log.warning("ManagedParallelEnv worker %d (pid %s) could not build its env:\n%s", slot, pid, detail)
         return False
-    channel.send(launch.handoff)
-    if not multiprocessing.connection.wait([channel, launch.process.sentinel], timeout=limit):
-        launch.process.kill()  # its loss is handled by the supervisor, as any death
+    channel.send(worker.handoff)
+    if not multiprocessing.connection.wait([channel, worker.process.sentinel], timeout=limit):
+        worker.process.kill()  # its loss is handled by the supervisor, as any death
         return False
     try:
         return bool(channel.recv() == "started")
@@ -320,9 +331,9 @@ def hand_off(launch: StartingWorker, limit: float) -> bool:
         return False
 
 
-def send_seed(launch: StartingWorker, seed: int, static: bool) -> None:
-    """Seed ``launch`` as TorchRL's ``set_seed`` does; its answer is ``("seeded", next seed)``."""
-    launch.channel.send(("seed", (seed, static)))
+def send_seed(worker: StartingWorker, seed: int, static: bool) -> None:
+    """Seed ``worker`` as TorchRL's ``set_seed`` does; its answer is ``("seeded", next seed)``."""
+    worker.channel.send(("seed", (seed, static)))
 
 
 def read_answer(channel: Any) -> bool:
@@ -337,19 +348,17 @@ def read_answer(channel: Any) -> bool:
 def seed_all(
     supervisor: WorkerSupervisor, seeds: dict[int, tuple[StartingWorker, int, bool]], limit: float
 ) -> None:
-    """Seed each launch (``slot -> (launch, seed, static_seed)``) as TorchRL's ``set_seed`` does
+    """Seed each worker (``slot -> (worker, seed, static_seed)``) as TorchRL's ``set_seed`` does
     (``torch.manual_seed`` and the env's ``set_seed`` in the worker), all sent first."""
-    for launch, seed, static in seeds.values():
-        send_seed(launch, seed, static)
-    waits = {slot: (lambda c=launch.channel: bool(c.poll(0))) for slot, (launch, _s, _t) in seeds.items()}
-    channels = {slot: launch.channel for slot, (launch, _s, _t) in seeds.items()}
-    lost, _late = await_all(supervisor, waits, limit, channels)
-    for slot, (launch, _seed, _static) in seeds.items():
+    for worker, seed, static in seeds.values():
+        send_seed(worker, seed, static)
+    lost, _late = _await_pipes(supervisor, [worker for worker, _s, _t in seeds.values()], limit)
+    for slot, (worker, _seed, _static) in seeds.items():
         if slot in lost:
-            launch.ready = False
-        elif not read_answer(launch.channel):
+            worker.ready = False
+        elif not read_answer(worker.channel):
             supervisor.wait_handled(slot, LOSS_WAIT)
-            launch.ready = False
+            worker.ready = False
 
 
 def await_answers(supervisor: WorkerSupervisor, env: Upstream, slots: list[int], limit: float) -> set[int]:
@@ -375,13 +384,13 @@ def await_answers(supervisor: WorkerSupervisor, env: Upstream, slots: list[int],
 
 
 def reset_all(
-    supervisor: WorkerSupervisor, env: Upstream, launches: Collection[StartingWorker], limit: float
+    supervisor: WorkerSupervisor, env: Upstream, workers: Collection[StartingWorker], limit: float
 ) -> None:
-    """Reset each launch's env (no input, no kwargs), all sent first; a launch lost meanwhile
+    """Reset each worker's env (no input, no kwargs), all sent first; a worker lost meanwhile
     is no longer ``ready``."""
-    for launch in launches:
-        launch.channel.send(("reset", (False, {})))
-    lost = await_answers(supervisor, env, [launch.slot for launch in launches], limit)
-    for launch in launches:
-        if launch.slot in lost:
-            launch.ready = False
+    for worker in workers:
+        worker.channel.send(("reset", (False, {})))
+    lost = await_answers(supervisor, env, [worker.slot for worker in workers], limit)
+    for worker in workers:
+        if worker.slot in lost:
+            worker.ready = False

@@ -70,18 +70,28 @@ class WorkerSupervisor:
         base_dir: str | None = None,
         stats: EnvStats | None = None,
     ) -> None:
+        #: The tag every process of this env carries (the leak check and the sweeps read it).
         self.tag = tag
         #: The env's statistics (``None``: not collected): the watcher counts losses there and
         #: samples the workers' trees into it (and publishes the env's status: ``_status``).
         self.stats = stats
+        #: The process that made it: a fork of that process does not close its workers (``_start``).
         self.owner_pid = os.getpid()
+        #: Seconds a closing worker gets before its tree is killed. Set here only.
         self.shutdown_timeout = shutdown_timeout
+        #: The env's name in log lines and errors. Set here only.
         self.label = label
-        # Inside the reaper's directory when there is one: the reaper removes it if we die.
+        #: Workers' exit reports, the done fifo, the status file; inside the reaper's directory
+        #: when there is one (the reaper removes it if we die). Set here only.
         self.report_dir = tempfile.mkdtemp(prefix="reports-", dir=base_dir)
+        #: The slots' current workers, one per slot (:meth:`attach`, :meth:`replace`,
+        #: :meth:`promote`, under ``_lock``).
         self._workers: list[WorkerRecord] = []
+        #: Guards the fields the watcher and the env's thread both write.
         self._lock = threading.RLock()
+        #: Set when a failure is recorded; cleared when the last lost slot is replaced.
         self._failure_seen = threading.Event()
+        #: Set once by :meth:`shutdown`: exits from then on are the close's, not losses.
         self._closing = False
         #: Where workers say "done" and where a death wakes the env's waiting main thread.
         self.done_signal = DoneSignal(os.path.join(self.report_dir, "done.fifo"))
@@ -89,13 +99,19 @@ class WorkerSupervisor:
             stats.bind(label, os.path.join(self.report_dir, "status.json"))
         #: The thread that waits on the workers' exits, and the descriptors it waits on.
         self._watcher = Watcher(f"torchrl_ext-supervisor-{label}", self._lock, self._plan_round)
+        #: The env's failure, raised at its next call: the first loss with restarts off, or the
+        #: one the restarts gave up on (:meth:`give_up`). Set once, under ``_lock``.
         self.first_failure: BaseException | None = None
         #: With restarts on (set once, by :meth:`enable_restarts`, before :meth:`attach`): lost
         #: workers (tree already killed) the env has not handled yet; their failures are not
         #: raised here (``first_failure`` stays None).
         self.restartable = False
+        #: Channels are restartable ones (restarts or recycling may replace a worker); set with it.
         self._replaceable = False
+        #: Lost workers not replaced yet (restarts on): the watcher adds; :meth:`replace` removes
+        #: one, :meth:`give_up` and :meth:`shutdown` all. Under ``_lock``.
         self.lost: list[WorkerRecord] = []
+        #: Workers replaced so far; only grows. :meth:`replace`.
         self.restarts = 0
         #: Recycling (``_recycle``): the slots' standby and retiring workers.
         self.handovers = Handovers(label, self._lock, self._watcher.retire_fd)
@@ -164,7 +180,7 @@ class WorkerSupervisor:
     def replace(self, index: int, process: Any, channel: Any) -> ParentChannel:
         """Record ``process`` (started) as slot ``index``'s worker in place of the lost one."""
         with self._lock:
-            position = next(i for i, w in enumerate(self._workers) if w.index == index)
+            position = self._position(index)
             old = self._workers[position]
             worker = self._record(index, process, channel)
             self._workers[position] = worker
@@ -202,7 +218,7 @@ class WorkerSupervisor:
         from now). Returns the new channel and the old one."""
         with self._lock:
             new = self.handovers.standby.pop(index)
-            position = next(i for i, w in enumerate(self._workers) if w.index == index)
+            position = self._position(index)
             old = self._workers[position]
             self._workers[position] = new
             self.handovers.retiring.append((old, time.monotonic() + close_within))
@@ -211,7 +227,11 @@ class WorkerSupervisor:
 
     def _worker(self, index: int) -> WorkerRecord:
         with self._lock:
-            return next(w for w in self._workers if w.index == index)
+            return self._workers[self._position(index)]
+
+    def _position(self, index: int) -> int:
+        """Where slot ``index``'s worker is in ``_workers`` (call it holding ``_lock``)."""
+        return next(i for i, w in enumerate(self._workers) if w.index == index)
 
     def pids(self) -> list[int]:
         """The current worker pids, by slot (no lock: safe in a forked copy of this process)."""
