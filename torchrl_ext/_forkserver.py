@@ -232,19 +232,20 @@ def serve_forkserver(listener_fd: int, alive_r: int, admit: Callable[[socket.soc
 
 
 def _report_exits(status_of: dict[int, int]) -> None:
-    """Collect every exited child and send its exit status to its client."""
-    while True:
+    """Send each child that exited its exit status, to its client. Collected by pid: another
+    child of the server (a preloaded module's) is not the loop's to reap."""
+    for pid in list(status_of):
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        status_w = status_of.pop(pid, None)
-        if status_w is not None:
-            with contextlib.suppress(BrokenPipeError):  # the client is gone
-                multiprocessing.forkserver.write_signed(status_w, os.waitstatus_to_exitcode(status))
-            os.close(status_w)
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # collected elsewhere: its status is lost, the client sees EOF
+            os.close(status_of.pop(pid))
+            continue
+        if done == 0:
+            continue
+        status_w = status_of.pop(pid)
+        with contextlib.suppress(BrokenPipeError):  # the client is gone
+            multiprocessing.forkserver.write_signed(status_w, os.waitstatus_to_exitcode(status))
+        os.close(status_w)
 
 
 def _fork_one(
