@@ -339,7 +339,7 @@ class WorkerSupervisor:
         # Kill the dead worker's tree before anyone can see the failure: once the error is
         # raised, nothing of that worker is left.
         # It was alive a moment ago, so its process group cannot have been recycled yet.
-        worker.descendants_killed = self._kill_tree(worker)
+        worker.descendants_killed = kill_worker_tree([worker], self.tag)
         # With restarts on, the env logs one warning per restart (or raises) instead.
         log.log(
             logging.DEBUG if self.restartable else logging.WARNING,
@@ -373,10 +373,6 @@ class WorkerSupervisor:
         if report is None:
             return WorkerDiedError(worker.index, worker.pid, worker.exitcode, last_command, oom=worker.oom)
         return rebuild_exception(report, worker.index, worker.pid)
-
-    def _kill_tree(self, worker: WorkerRecord) -> int:
-        """SIGKILL and reap what is left of a worker that just died."""
-        return kill_worker_tree([worker], self.tag)
 
     def startup_failure(self) -> BaseException | None:
         """The error that explains a failed start (see :func:`_record.startup_failure`)."""
