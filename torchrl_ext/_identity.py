@@ -11,8 +11,13 @@ then loads ``_wait.py`` by path too; the package imports it as ``torchrl_ext._id
   moves every process's ``create_time()`` at once, so an identity recorded before the step no
   longer matched: the reaper took its live owner for dead and killed its workers. Seen on a
   2-core VM after a snapshot.) Elsewhere it is ``create_time()``, recorded at the process's
-  start. Create times are compared by :func:`same_ctime`: within :data:`CTIME_TOLERANCE`, give
-  or take whole seconds of boot-time drift where the clock is a wall clock.
+  start. Create times are compared by :func:`same_ctime`: within :data:`CTIME_TOLERANCE` and,
+  only where the clock is a wall clock (not Linux), give or take whole seconds of drift
+  (:data:`BOOT_DRIFT`). On Linux two readings of one process's start time are the same number:
+  a drift allowance there took a stranger that reused a dead worker's pid exactly one or two
+  seconds (to the clock tick) after the worker's birth for the worker itself; the close then
+  anchored the worker's recycled process group on it and killed the stranger's child (seen
+  once under load).
 * **Alive** means running and not a zombie.
 * **The tree** of a set of workers (:func:`tree`) is every live process of ours: the workers,
   the descendants they have and the ones seen in earlier snapshots (a subtree whose middle
@@ -21,7 +26,9 @@ then loads ``_wait.py`` by path too; the package imports it as ``torchrl_ext._id
 * **The live-anchor rule for process groups.** A worker's process group id is its pid. Once
   the group is empty, the id can be recycled by a stranger's new group. So a group counts only
   while it is anchored: a process of ours (identity checked) lives in it, or the caller knows
-  its worker was alive a moment ago (``recent_groups``). An unanchored group is left alone.
+  its worker was alive a moment ago (``recent_groups``). An unanchored group is left alone, and
+  so is a group whose id another process holds as its pid (a new group can only be made under
+  its leader's pid: the id was recycled, whatever anchored it a moment ago).
 * **Kill and reap** (:func:`kill_and_reap`): SIGTERM, a grace period, SIGKILL, then reap those
   that are our own children, by pid only (never ``waitpid(-1)``, which would steal the exit
   statuses ``subprocess`` and ``multiprocessing`` wait for).
@@ -169,17 +176,20 @@ def key_of(proc: psutil.Process) -> ProcessKey | None:
         return None
 
 
-#: How many whole seconds two readings of one process's create time may differ by (boot time
-#: re-read after wall-clock adjustments); the fraction must still match to CTIME_TOLERANCE.
-BOOT_DRIFT = 2
+#: How many whole seconds two readings of one process's create time may differ by where it is
+#: psutil's ``create_time()`` (boot time re-read after wall-clock adjustments; the fraction must
+#: still match to CTIME_TOLERANCE); 0 where it is the kernel's start time (Linux): no drift.
+BOOT_DRIFT = 0 if _PROC_STAT else 2
 
 
 def same_ctime(a: float, b: float) -> bool:
     """Whether two create times are one process's (see the module doc, **Identity**).
 
     Example:
-        >>> same_ctime(100.25, 100.2504), same_ctime(100.25, 101.25), same_ctime(100.25, 100.26)
-        (True, True, False)
+        >>> same_ctime(100.25, 100.2504), same_ctime(100.25, 100.26)
+        (True, False)
+        >>> same_ctime(100.25, 101.25) == (BOOT_DRIFT >= 1)  # a whole second apart: Linux says no
+        True
     """
     shift = round(a - b)
     return abs(shift) <= BOOT_DRIFT and abs(a - b - shift) < CTIME_TOLERANCE
@@ -316,7 +326,9 @@ def tree(
             anchored.add(os.getpgid(proc.pid))
         except OSError:
             continue
-    groups = {pgid: ctime for ctime, pgid in workers.values() if pgid in anchored}
+    groups = {
+        pgid: ctime for ctime, pgid in workers.values() if pgid in anchored and not _recycled(pgid, ctime)
+    }
     if groups or owner is not None:
         oldest = min([*groups.values(), *([owner[1]] if owner else [])])
         for proc in psutil.process_iter():
@@ -358,6 +370,17 @@ def tree(
         return alive(proc) or _our_zombie(proc) or (dying and _zombie(proc.pid))
 
     return [proc for key, proc in found.items() if wanted(key) and kept(proc)]
+
+
+def _recycled(pgid: int, leader_ctime: float) -> bool:
+    """Whether process group id ``pgid`` (our worker's pid, created at ``leader_ctime``) now names
+    a stranger's group: a process other than our worker holds that pid, so the id was handed out
+    again and any group by that id is the new holder's (the live-anchor rule's other half)."""
+    try:
+        holder = psutil.Process(pgid)
+        return not same_ctime(start_time(holder), leader_ctime)
+    except psutil.Error:
+        return False  # nobody holds the pid: the group cannot have been recreated under it
 
 
 def _our_zombie(proc: psutil.Process) -> bool:

@@ -103,8 +103,11 @@ class StartWatch:
         self.timed_out: dict[int, tuple[int, str | None]] = {}
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
+        #: When the watch began, on ``_identity.clock()``: a worker of this start was born after it.
+        self._since = _identity.clock()
 
     def __enter__(self) -> StartWatch:
+        self._since = _identity.clock()
         if self.timeout is not None:
             self._thread = threading.Thread(target=self._watch, name="torchrl_ext-start-watch", daemon=True)
             self._thread.start()
@@ -122,13 +125,15 @@ class StartWatch:
         for index, process in enumerate(list(self.env.workers or [])):
             report = self.supervisor.report_path(index)
             pid = process.pid
-            if pid is None or os.path.exists(_stacks.built_path(report)):
+            if pid is None or os.path.exists(_stacks.built_path(report)) or process.exitcode is not None:
                 continue
             try:
                 proc = psutil.Process(pid)
                 ctime = _identity.start_time(proc)
             except psutil.Error:
                 continue
+            if ctime + _identity.BIRTH_SLACK < self._since:
+                continue  # its pid is a stranger's now: born before this start began
             stacks = _stacks.capture(pid, ctime, report)
             # A spawned worker still importing has not made its own group yet: kill it alone.
             if _platform.process_group_of(pid) == pid:

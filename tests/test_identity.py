@@ -1,0 +1,75 @@
+"""The ownership rule (``_identity``): a process is ours only by its identity, never by its pid
+alone, and a process group only while a process of ours anchors it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from torchrl_ext import _identity
+from torchrl_ext._identity import same_process, start_time, tree
+
+#: Leads a session of its own (its group id is its pid) with one child in that group.
+_STRANGER = (
+    "import subprocess, sys, time\n"
+    "helper = subprocess.Popen([sys.executable, '-c', 'import time\\nwhile True: time.sleep(1)'])\n"
+    "print(helper.pid, flush=True)\n"
+    "while True: time.sleep(1)\n"
+)
+
+
+@pytest.fixture
+def stranger() -> Iterator[tuple[psutil.Process, int]]:
+    """A stranger leading its own process group, and its child's pid."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STRANGER], start_new_session=True, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        helper = int(proc.stdout.readline())
+        yield psutil.Process(proc.pid), helper
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+
+
+@pytest.mark.compat
+@pytest.mark.skipif(not _identity._PROC_STAT, reason="start times are the kernel's only on Linux")
+@pytest.mark.parametrize("seconds_later", [1, 2])
+def test_a_stranger_born_whole_seconds_after_a_dead_worker_is_not_that_worker(
+    stranger: tuple[psutil.Process, int], seconds_later: int
+) -> None:
+    """A dead worker's pid reused by a stranger born exactly ``seconds_later`` seconds (to the
+    clock tick) after the worker: the stranger is not the worker, its group is not the worker's
+    and nothing of it is in the worker's tree. Before, identity allowed whole seconds of drift
+    on Linux too: the close took such a stranger for its dead worker, anchored the recycled group
+    on it and killed the stranger's child (CI, under load)."""
+    proc, helper = stranger
+    born = start_time(proc)
+    dead_worker = {proc.pid: (born - seconds_later, proc.pid)}  # pid -> (create time, group)
+    assert same_process(proc.pid, born) == proc
+    assert same_process(proc.pid, born - seconds_later) is None
+    assert os.getpgid(helper) == proc.pid
+    found = tree(dead_worker, include_workers=False, dying=True)
+    assert helper not in {p.pid for p in found}, "the stranger's child was taken for the dead worker's"
+    assert not found
+
+
+@pytest.mark.compat
+def test_a_recycled_group_is_left_alone_even_when_its_worker_was_alive_a_moment_ago(
+    stranger: tuple[psutil.Process, int],
+) -> None:
+    """A close anchors the groups of the workers it ended (``recent_groups``: alive a moment
+    ago). If such a worker's pid was taken since by a stranger leading a new group, the group id
+    is the stranger's: neither the stranger nor its child is in the tree."""
+    proc, helper = stranger
+    dead_worker = {proc.pid: (start_time(proc) - 0.5, proc.pid)}
+    found = tree(dead_worker, recent_groups=[proc.pid], include_workers=False, dying=True)
+    assert not {p.pid for p in found} & {proc.pid, helper}, found
