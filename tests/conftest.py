@@ -218,9 +218,20 @@ def _runtime_dirs() -> set[Path]:
     found = set()
     for path in Path(tempfile.gettempdir()).glob("torchrl_ext-[0-9]*-*"):
         owner = int(path.name.split("-")[1])
-        if owner == me or not psutil.pid_exists(owner):
+        if owner == me or not _owner_alive(owner, path):
             found.add(path)
     return found
+
+
+def _owner_alive(pid: int, runtime_dir: Path) -> bool:
+    """Whether the owner of ``runtime_dir`` lives: a process ``pid`` that was born before the
+    directory last changed. One born after it holds a dead owner's reused pid: counting it as
+    the owner hid the dead owner's directory from the test that left it and blamed a later one."""
+    try:
+        changed = runtime_dir.stat().st_mtime
+        return psutil.Process(pid).create_time() <= changed + 1.0
+    except (OSError, psutil.Error):
+        return False
 
 
 @pytest.fixture(autouse=True)

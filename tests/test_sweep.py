@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import NOT_SPAWNED, Scenario, pid_alive, start_kwargs
+from tests.conftest import NOT_SPAWNED, Scenario, child_env, pid_alive, start_kwargs
 from tests.envs import make_env
 from tests.polling import wait_until
 from torchrl_ext import ManagedParallelEnv, _platform
@@ -250,3 +250,41 @@ def test_a_wall_clock_step_leaves_the_reapers_owner_alive(
         assert start_time(psutil.Process(me.pid)) == start_time(me)
     finally:
         os.close(reaper.fifo_fd)
+
+
+_DIES_AFTER_ITS_REAPER_EXITED = """
+import os, sys
+from torchrl_ext import _reaper_client
+
+fifo = _reaper_client.acquire()
+print(os.path.dirname(fifo), flush=True)
+
+
+class _DiesInstead:  # the owner dies after its reaper exited, before it removed the directory
+    @staticmethod
+    def rmtree(*args, **kwargs):
+        os._exit(0)
+
+
+_reaper_client.shutil = _DiesInstead
+_reaper_client.LINGER = 0
+_reaper_client.release()
+"""
+
+
+@pytest.mark.compat
+def test_an_owner_dying_after_its_reaper_exited_leaves_no_runtime_directory() -> None:
+    """The last env of an owner closed, its reaper was told to exit and did, and the owner died
+    before it removed its runtime directory: the reaper removed it on its way out. (Before, only
+    the owner removed it then, and a dead owner's directory stayed until a ``sweep``.)"""
+    proc = subprocess.run(
+        [sys.executable, "-c", _DIES_AFTER_ITS_REAPER_EXITED],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    runtime_dir = Path(proc.stdout.strip())
+    assert runtime_dir.name.startswith("torchrl_ext-"), proc.stdout
+    wait_until(lambda: not runtime_dir.exists(), "the dead owner's runtime directory is removed")

@@ -206,6 +206,12 @@ class Reaper:
             killed.update((proc.pid, names.get(proc.pid, "?")) for proc in done)
         return killed
 
+    def remove_runtime_dir(self) -> None:
+        """Remove the owner's runtime directory (this FIFO, the registry, the workers' error
+        reports): on both ways the reaper ends, the owner's death and its "exit" (sent once no
+        env of the owner is open, so nothing of it uses the directory any more)."""
+        shutil.rmtree(os.path.dirname(self.fifo_path), ignore_errors=True)
+
     # --- main loop ------------------------------------------------------------------------
     def run(self) -> int:
         pidfd = None
@@ -234,14 +240,15 @@ class Reaper:
                         named,
                         ", ..." if len(killed) > NAMED else "",
                     )
-                # The owner's temporary directory (this FIFO, the workers' error reports).
-                shutil.rmtree(os.path.dirname(self.fifo_path), ignore_errors=True)
+                self.remove_runtime_dir()
                 return 0
             events = poller.poll(interval * 1000)
             for fd, _ev in events:
                 if fd == self.fifo_fd:
                     self.read_messages()
             if self.stop:
+                # The owner removes it too once we exited; if it dies first, nobody else would.
+                self.remove_runtime_dir()
                 return 0
             now = time.monotonic()
             if self.workers and now - last_snapshot >= SNAPSHOT_INTERVAL:
