@@ -31,8 +31,12 @@ a worker's pipe closes a moment before the kernel hands its children over to thi
 child subreaper), so the zombies among them are only ours, and collected, once the worker itself
 has been reaped; what dies later still is collected by a background late reaper. Last, the
 supervisor's watcher thread is stopped, waiting for it only in what is left. No wait runs past
-the deadline: ``close()`` returns within ``shutdown_timeout`` plus the time of a few system
-calls.
+the deadline but one: a worker that is not yet reaped when the deadline comes (SIGKILLed a
+moment before, its exit still under way) is waited for up to ``KILLED_REAP_WAIT`` seconds more,
+so that ``close()`` returns only once every worker it ended is reaped and its ``Process``
+says so (``is_alive()`` False, ``exitcode`` set), as upstream's close does. So ``close()``
+returns within ``shutdown_timeout`` plus the time of a few system calls, plus, where a worker
+needed SIGKILL, the time its exit takes (at most ``KILLED_REAP_WAIT``).
 ``docs/design.md`` quotes these numbers; ``tests/test_docs.py`` checks every quote. Code and docs
 cite this note by its name.
 """
@@ -50,7 +54,7 @@ from ._report import Outcome
 from ._tag import Tag
 from ._wait import on, wait_for
 
-__all__ = ["CLOSE_MESSAGE_SHARE", "SIGKILL_SHARE", "SIGTERM_SHARE", "close_workers"]
+__all__ = ["CLOSE_MESSAGE_SHARE", "KILLED_REAP_WAIT", "SIGKILL_SHARE", "SIGTERM_SHARE", "close_workers"]
 
 log = logging.getLogger("torchrl_ext")
 
@@ -63,6 +67,9 @@ SIGTERM_SHARE = 0.8
 #: NOTE [shutdown order]: share of ``shutdown_timeout`` by which SIGKILLed workers must be gone;
 #: the sweep and reaping use the rest, and nothing waits past the deadline.
 SIGKILL_SHARE = 0.95
+#: NOTE [shutdown order]: seconds a close waits, past its deadline, for workers not yet reaped
+#: (a SIGKILLed process still exiting): the one wait of a close that the deadline does not bound.
+KILLED_REAP_WAIT = 2.0
 
 
 def close_workers(
@@ -127,12 +134,17 @@ def close_workers(
     swept = len(swept_t) + len(swept_k)
     if swept:
         log.warning("%s: swept %d leftover process(es) after the workers exited", label, swept)
+    # Every worker is reaped before close() returns, the SIGKILLed ones still exiting too: past
+    # the deadline, within KILLED_REAP_WAIT of its own.
+    reap_until = (
+        deadline if all(w.exited() for w in workers) else max(deadline, time.monotonic() + KILLED_REAP_WAIT)
+    )
     for worker in workers:
         try:
-            worker.process.join(timeout=left())
+            worker.process.join(timeout=max(0.0, reap_until - time.monotonic()))
         except (ValueError, AssertionError):
             pass
-        worker.exitcode = worker.read_exitcode(wait=min(left(), 1.0))
+        worker.exitcode = worker.read_exitcode(wait=min(max(0.0, reap_until - time.monotonic()), 1.0))
         worker.finished = True
         _reaper_client.unwatch(worker.pid)
     # A worker that is reaped has handed its children over: those that died before it are
