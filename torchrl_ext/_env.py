@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,6 +37,15 @@ from ._stats import RESET, STEP, STEP_AND_MAYBE_RESET, StatsView, snapshot, stat
 __all__ = ["DEFAULT_SHUTDOWN_TIMEOUT", "ManagedParallelEnv"]
 
 log = logging.getLogger("torchrl_ext")
+
+
+def _upstream_accepts(num_workers: int, create_env_fn: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``ParallelEnv.__init__`` takes these arguments (a misspelt keyword: no)."""
+    try:
+        inspect.signature(ParallelEnv.__init__).bind(None, num_workers, create_env_fn, **kwargs)
+    except TypeError:
+        return False
+    return True
 
 
 class ManagedParallelEnv(ParallelEnv):
@@ -151,6 +161,10 @@ class ManagedParallelEnv(ParallelEnv):
         collect_stats: bool = True,
         **kwargs: Any,
     ) -> None:
+        if not _upstream_accepts(num_workers, create_env_fn, kwargs):
+            # TorchRL's own TypeError, word for word, raised by its own signature before any of
+            # its code runs, and before anything of ours starts (the preloaded server included).
+            super().__init__(num_workers, create_env_fn, **kwargs)
         options = Options.validated(
             daemon_workers=daemon_workers,
             daemon=daemon,
