@@ -544,3 +544,21 @@ def test_documented_shutdown_order_matches_the_constants() -> None:
     assert re.search(rf"message.*\|\s*{close_pct} % of `shutdown_timeout`", design)
     assert re.search(rf"\|\s*SIGTERM \(at {close_pct} %\)\s*\|\s*{term_pct} %", design)
     assert re.search(rf"\|\s*SIGKILL \(at {term_pct} %\)\s*\|\s*{kill_pct} %", design)
+
+
+def test_troubleshooting_doctor_table_lists_every_check() -> None:
+    """The doctor's table in docs/troubleshooting.md has a row for every check the doctor runs
+    (it lacked ``preloaded start``)."""
+    from torchrl_ext._doctor import run_checks
+
+    page = (DOCS / "troubleshooting.md").read_text(encoding="utf-8")
+    section = page[page.index("## First: run the doctor") :]
+    section = section[: section.index("\n## ", 1)]
+    rows = set(re.findall(r"^\| `([^`]+)`", section, flags=re.MULTILINE))
+    rows |= {
+        name
+        for cell in re.findall(r"^\| (`[^|]+`) \|", section, flags=re.MULTILINE)
+        for name in re.findall(r"`([^`]+)`", cell)
+    }
+    missing = [check.name for check in run_checks(orphan_test=False) if check.name not in rows]
+    assert not missing, f"docs/troubleshooting.md's doctor table has no row for {missing}"
