@@ -197,6 +197,12 @@ class LogDataset(Dataset[torch.Tensor]):
         """The file of episode ``index`` (an ``EpisodeLedger`` names it when it quarantines)."""
         return self.paths[index]
 
+    def __repr__(self) -> str:
+        """How an ``EpisodeLedger``'s errors name it: its files' folders."""
+        folders = sorted({os.path.dirname(p) or "." for p in self.paths})
+        where = f" in {', '.join(folders[:2])}{', ...' if len(folders) > 2 else ''}" if folders else ""
+        return f"LogDataset({len(self.paths)} file(s){where}, profile={self.profile.name!r})"
+
 
 def _parse_to_dict(path: str, profile: StorageProfile) -> dict[str, torch.Tensor]:
     return {"obs": parse_log(read_log(path, profile))}

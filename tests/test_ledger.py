@@ -27,8 +27,15 @@ from tests.ledger_envs import LENGTH, Episodes, make_ledger_env
 from tests.polling import wait_until
 from tests.test_exit import LINGER
 from torchrl_ext import ManagedParallelEnv
-from torchrl_ext.data import EpisodeLedger, EpisodeSampler, EpochsExhausted, LedgerClient, LedgerClosedError
-from torchrl_ext.data._ledger_state import LedgerState
+from torchrl_ext.data import (
+    EpisodeLedger,
+    EpisodeSampler,
+    EpochsExhausted,
+    LedgerClient,
+    LedgerClosedError,
+    NoEpisodesError,
+)
+from torchrl_ext.data._ledger_state import LedgerState, no_episodes_message
 
 ALL_STARTS = [
     pytest.param("preloaded", marks=pytest.mark.compat),
@@ -143,6 +150,34 @@ def test_load_state_dict_refuses_another_dataset_or_a_started_state() -> None:
         started.load_state_dict(saved)
 
 
+@pytest.mark.compat
+@pytest.mark.parametrize("epochs", [None, 2])
+def test_a_state_whose_every_episode_is_quarantined_can_serve_none_and_covers_nothing(
+    epochs: int | None,
+) -> None:
+    state = LedgerState(3, shuffle=False, seed=0, epochs=epochs, quarantine_after=1)
+    assert state.can_serve() and state.coverage(0) == 0.0
+    for reason in ("ValueError: a", "ValueError: b", "ValueError: c"):
+        item = state.take()
+        assert item is not None
+        state.quarantine(item, reason)
+    assert state.take() is None and not state.can_serve()
+    assert state.coverage(0) == 0.0 and state.done == 0, "nothing completed is no coverage"
+    assert not state.exhausted() or epochs is not None
+    assert state.first_causes() == [(0, "ValueError: a"), (1, "ValueError: b"), (2, "ValueError: c")]
+
+
+@pytest.mark.compat
+def test_the_no_episodes_message_names_the_dataset_and_the_first_causes() -> None:
+    empty = no_episodes_message("Logs('/data/missing')", 0)
+    assert "Logs('/data/missing') has no episode" in empty and "folder that does not exist" in empty
+    causes = [(f"episode {i} (/d/{i}.csv)", f"ValueError: bad {i}") for i in range(5)]
+    dead = no_episodes_message("Logs('/d')", 5, causes)
+    assert "Logs('/d')" in dead and "all 5 are quarantined" in dead
+    assert "episode 0 (/d/0.csv): ValueError: bad 0" in dead and "bad 2" in dead
+    assert "bad 3" not in dead and "2 more" in dead
+
+
 # --------------------------------------------------------------------------- the ledger itself
 @pytest.mark.compat
 @pytest.mark.parametrize("num_readers", [0, 1, 2])
@@ -248,6 +283,54 @@ def test_epochs_end_with_a_clear_signal() -> None:
             ledger.next()
 
 
+class _Folder:
+    """A dataset of the files in a folder, named by it (as a user's dataset is)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.files = sorted(root.glob("*.csv"))
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.zeros(1)
+
+    def __repr__(self) -> str:
+        return f"_Folder({str(self.root)!r})"
+
+
+@pytest.mark.compat
+def test_a_ledger_over_no_episode_says_so_and_names_its_dataset(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-folder"
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(NoEpisodesError, match="has no episode") as info:
+        EpisodeLedger(_Folder(missing), num_readers=2)
+    assert str(missing) in str(info.value) and "episode ledger" in str(info.value)
+    assert not isinstance(info.value, EpochsExhausted | ValueError)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before, "nothing started"
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize(("num_readers", "epochs"), [(0, None), (2, None), (2, 1)])
+def test_a_ledger_whose_every_episode_is_quarantined_raises_its_own_error(
+    num_readers: int, epochs: int | None
+) -> None:
+    dataset = Episodes(3, corrupt=(0, 1, 2))
+    with EpisodeLedger(dataset, num_readers=num_readers, shuffle=False, epochs=epochs) as ledger:
+        for _ in range(2):  # every next() from then on, never EpochsExhausted
+            with pytest.raises(NoEpisodesError) as info:
+                ledger.next()
+            message = str(info.value)
+            assert "Episodes of 3 episode(s), the first at /logs/episode-000.bin" in message
+            assert "all 3 are quarantined" in message
+            assert "episode 0 (/logs/episode-000.bin): ValueError: truncated log in episode 0" in message
+        with pytest.raises(NoEpisodesError):
+            list(ledger)  # iterating does not end quietly either
+        stats = ledger.stats()
+        assert stats["completed"] == 0 and stats["quarantined"] == 3 and stats["coverage"] == 0.0
+
+
 # ----------------------------------------------------------------------------- with env workers
 def _play_until_finished(
     env: Any, ledger: EpisodeLedger, kill_in_epochs: tuple[int, ...] = ()
@@ -332,6 +415,24 @@ def test_recycled_workers_complete_the_episodes_they_played(method: str) -> None
         ledger.close()
 
 
+@pytest.mark.parametrize("method", ALL_STARTS)
+def test_an_env_that_replays_on_epochs_exhausted_fails_loudly_on_a_dead_dataset(method: str) -> None:
+    """``LedgerEnv`` catches ``EpochsExhausted`` to replay (as the docs' example does): a dataset
+    whose every episode fails to load must still end the run, with the ledger's error."""
+    ledger = EpisodeLedger(Episodes(4, corrupt=(0, 1, 2, 3)), num_readers=2, seed=0, epochs=1)
+    env = ManagedParallelEnv(
+        2, make_ledger_env, create_env_kwargs={"episodes": ledger}, **start_kwargs(method)
+    )
+    try:
+        with pytest.raises(Exception) as info:
+            env.rollout(6, break_when_any_done=False)
+        assert "NoEpisodesError" in repr(info.value) or isinstance(info.value, NoEpisodesError)
+        assert "all 4 are quarantined" in str(info.value)
+    finally:
+        env.close(raise_if_closed=False)
+        ledger.close()
+
+
 @pytest.mark.compat
 @pytest.mark.parametrize("num_readers", [0, 2])
 def test_upstream_parallel_env_with_daemonic_workers(num_readers: int) -> None:
@@ -371,6 +472,10 @@ def test_no_exit_of_the_owner_leaves_a_ledger_process_behind(
     result = scenario.finish()
     if how == "exit_without_close":
         assert result.returncode == 0, result.stderr[-3000:]
+    if how == "SIGTERM":
+        assert result.returncode == -signal.SIGTERM, result.stderr[-3000:]
+    if how != "SIGKILL":  # a close ended the ledger's processes as its own: nothing to report
+        assert "leftover" not in result.stderr, result.stderr[-3000:]
     assert not result.leaked, f"processes outlived the owner by {LINGER}s: {result.leaked}"
     assert not any(psutil.pid_exists(pid) and pid_alive(pid) for pid in ready["ledger"])
     runtime = [p for p in Path(tempfile.gettempdir()).glob(f"torchrl_ext-{ready['pid']}-*")]

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any, Protocol
 
-from . import _forkserver, _platform, _reaper_client
+from . import _closers, _forkserver, _platform, _reaper_client
 from ._wait import wait_for
 
 __all__ = ["close_all", "live_envs", "multiprocessing_parent", "register", "unregister"]
@@ -101,12 +101,14 @@ def live_envs() -> list[_Closable]:
 
 
 def close_all(reason: str) -> None:
-    """Close every open managed env, newest first. Never raises (logs instead)."""
+    """Close every open managed env, newest first, then what they used (``_closers``: an
+    ``EpisodeLedger``'s processes). Never raises (logs instead)."""
     for env in reversed(live_envs()):
         try:
             env._close_for(reason)
         except Exception:
             log.exception("closing %r on %s failed", env, reason)
+    _closers.close_all(reason)
 
 
 def _at_exit() -> None:

@@ -15,7 +15,7 @@ readers and threads when it is built).
 """
 
 from ._episode_loader import EpisodeLoader
-from ._ledger import EpisodeLedger, EpochsExhausted, LedgerClient, LedgerClosedError
+from ._ledger import EpisodeLedger, EpochsExhausted, LedgerClient, LedgerClosedError, NoEpisodesError
 from ._memmap import MemmapEpisodeDataset, episode_dir_name, memmap_episodes
 from ._prefetch import ThreadPrefetcher
 from ._sampler import EpisodeSampler
@@ -28,6 +28,7 @@ __all__ = [
     "LedgerClient",
     "LedgerClosedError",
     "MemmapEpisodeDataset",
+    "NoEpisodesError",
     "ThreadPrefetcher",
     "episode_dir_name",
     "memmap_episodes",

@@ -25,15 +25,22 @@ from typing import Any
 import psutil
 import torch
 
-from .. import _identity
+from .. import _closers, _identity
 from .._cpython import finalize
 from .._errors import format_exitcode
 from ._closing import Closing
 from ._ledger_service import Plan, serve
-from ._ledger_state import LedgerState
-from ._readers import acquire_reaper, describe_error, owner_tag, release_reaper, start_supervised
+from ._ledger_state import LedgerState, no_episodes_message
+from ._readers import (
+    acquire_reaper,
+    describe_dataset,
+    describe_error,
+    owner_tag,
+    release_reaper,
+    start_supervised,
+)
 
-__all__ = ["EpisodeLedger", "EpochsExhausted", "LedgerClient", "LedgerClosedError"]
+__all__ = ["EpisodeLedger", "EpochsExhausted", "LedgerClient", "LedgerClosedError", "NoEpisodesError"]
 
 #: Seconds the ledger's process gets to close before SIGKILL.
 _CLOSE_WAIT = 5.0
@@ -46,7 +53,15 @@ _MAX_SOCKET_PATH = 107
 
 
 class EpochsExhausted(Exception):
-    """Raised by ``next()`` once every episode of the ledger's ``epochs`` was handed out."""
+    """Raised by ``next()`` once every episode of the ledger's ``epochs`` was handed out; only
+    then (a ledger that can serve no episode at all raises :class:`NoEpisodesError`)."""
+
+
+class NoEpisodesError(RuntimeError):
+    """The ledger can serve no episode at all: its dataset has none (raised when the ledger is
+    built), or every one is quarantined (raised by every ``next()`` from then on). The message
+    names the dataset and the first quarantine reasons. Not the end of an epoch: let it end the
+    run (an env's ``_reset`` that catches :class:`EpochsExhausted` lets it through)."""
 
 
 class LedgerClosedError(ConnectionError):
@@ -114,14 +129,17 @@ class LedgerClient:
     def next(self) -> tuple[int, Any]:
         """Finish the episode this process held and return the next: ``(index, episode)``.
 
-        Raises :class:`EpochsExhausted` once the ledger's epochs are all handed out, and
-        :class:`LedgerClosedError` once the ledger is closed.
+        Raises :class:`EpochsExhausted` once the ledger's epochs are all handed out,
+        :class:`NoEpisodesError` once no episode can be served at all (every one quarantined),
+        and :class:`LedgerClosedError` once the ledger is closed.
         """
         started = time.perf_counter()
         reply = self._ask("next")
         while True:
             if reply[0] == "exhausted":
                 raise EpochsExhausted(reply[1])
+            if reply[0] == "no_episodes":
+                raise NoEpisodesError(reply[1])
             if reply[0] != "episode":
                 raise LedgerClosedError("the episode ledger is closing")
             _kind, epoch, index, path = reply
@@ -194,6 +212,11 @@ class EpisodeLedger(Closing):
       times, is skipped for the rest of the run, logged once with its index (and path).
     * **Epochs.** ``epochs=None`` runs forever; after ``epochs`` epochs ``next()`` raises
       :class:`EpochsExhausted` (iterating a handle just stops).
+    * **No episode at all.** A dataset with none raises :class:`NoEpisodesError` here; once
+      every episode is quarantined, ``next()`` raises it (not :class:`EpochsExhausted`), naming
+      the dataset (by its ``repr`` where its class defines one) and the first reasons.
+    * **Signals.** A SIGTERM, SIGINT or SIGHUP that ``ManagedParallelEnv``'s handler turns into
+      a close ends the ledger's processes too, after the envs.
 
     ``stats()`` is a flat snapshot in TorchRL's convention; ``state_dict()`` and
     ``load_state_dict()`` resume the epoch where it was. See docs/heavy-resets.md.
@@ -225,6 +248,8 @@ class EpisodeLedger(Closing):
             raise ValueError(f"num_readers must be >= 0 and prefetch >= 1, got {num_readers}, {prefetch}")
         self._closed = False
         self._num_episodes = len(dataset)
+        if not self._num_episodes:
+            raise NoEpisodesError(no_episodes_message(describe_dataset(dataset), 0))
         state = LedgerState(len(dataset), shuffle, seed, epochs, quarantine_after)
         if multiprocessing_context is None and "fork" in multiprocessing.get_all_start_methods():
             multiprocessing_context = "fork"  # starts in milliseconds; torch is not re-imported
@@ -268,6 +293,7 @@ class EpisodeLedger(Closing):
         self._finalizer = finalize(
             self, self._shutdown, (self._process, self._control, directory), exitpriority=10
         )
+        _closers.add(self._finalizer)  # a signal-driven close ends it after the envs
 
     @staticmethod
     def _shutdown(process: Any, control: Connection | None, directory: str | None) -> None:
@@ -292,7 +318,7 @@ class EpisodeLedger(Closing):
         if os.getpid() != self._owner:
             raise RuntimeError(f"EpisodeLedger.{method}() is for the process that built the ledger")
         with self._lock:
-            if self._closed:
+            if self._closed or not self._finalizer.still_active():  # closed, by a signal maybe
                 raise LedgerClosedError("the episode ledger is closed")
             self._asked += 1
             try:
@@ -355,7 +381,8 @@ class EpisodeLedger(Closing):
     def stats(self) -> dict[str, float | int]:
         """A snapshot: ``epoch``, ``served``, ``completed``, ``in_flight``, ``requeued``,
         ``quarantined``, ``duplicates`` (within an epoch: always 0), ``coverage`` (completed
-        share of the current epoch), ``readers``, ``readers_alive``, ``reader_restarts``,
+        share of the current epoch's episodes that can be served, quarantined ones left out;
+        0.0 when none can be), ``readers``, ``readers_alive``, ``reader_restarts``,
         ``workers_connected``, ``data_wait_ms_p50``/``_p95`` (each ``next()``, load included)
         and ``read_bytes`` (what the readers and workers read from storage)."""
         result: dict[str, float | int] = self._call("stats")

@@ -31,6 +31,7 @@ The messages of a worker's connection, all tuples::
                        ("close", read_bytes, None, None)            complete mine, goodbye
     ledger -> worker   ("episode", epoch, index, path | None)       path None: load it yourself
                        ("exhausted", message)                       epochs are all handed out
+                       ("no_episodes", message)                     none can be served at all
                        ("closed",) / ("bye",)
 """
 
@@ -47,8 +48,8 @@ from multiprocessing.connection import Client, Connection, Listener, wait
 from typing import Any, Literal
 
 from .. import _identity
-from ._ledger_state import Item, LedgerState
-from ._readers import Reader, ReaderPool, Supervised, describe_episode, episode_path
+from ._ledger_state import Item, LedgerState, no_episodes_message
+from ._readers import Reader, ReaderPool, Supervised, describe_dataset, describe_episode, episode_path
 
 __all__ = ["Plan", "serve"]
 
@@ -349,6 +350,8 @@ class _Service:
         self.state.complete(holder)
         while True:
             self._fill()
+            if not self.state.can_serve():
+                return ("no_episodes", self._no_episodes_message())
             if not self.state.pending:
                 return ("exhausted", self._exhausted_message())
             item = self.state.pending[0]
@@ -415,13 +418,15 @@ class _Service:
 
     def _exhausted_message(self) -> str:
         state = self.state
-        if len(state.quarantined) >= state.num_episodes:
-            return f"every episode of the ledger is quarantined ({state.num_episodes}): see quarantined()"
         return (
             f"every episode of the ledger's {state.epochs} epoch(s) was handed out "
             f"({state.done} completed, {len(state.leases)} still played, "
             f"{len(state.quarantined)} quarantined)"
         )
+
+    def _no_episodes_message(self) -> str:
+        causes = [(describe_episode(self.dataset, i), why) for i, why in self.state.first_causes()]
+        return no_episodes_message(describe_dataset(self.dataset), self.state.num_episodes, causes)
 
     # -- the owner's view -----------------------------------------------------------------------
     def _stats(self) -> dict[str, float | int]:

@@ -9,22 +9,57 @@ An *item* is ``(epoch, index)``. Every item goes one way::
                                                                            ``quarantine_after``)
 
 ``EpisodeLedger`` drives one instance under its lock; the tests drive it directly.
+
+Why nothing is left to take is one of two ends, never confused: the epochs asked for were all
+handed out (``EpochsExhausted``), or no episode can be served at all, every one quarantined or
+none to begin with (``NoEpisodesError``, :func:`no_episodes_message`).
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Sequence
 from typing import Any
 
 from ._sampler import EpisodeSampler
 
-__all__ = ["Item", "LedgerState"]
+__all__ = ["CAUSES_NAMED", "Item", "LedgerState", "no_episodes_message"]
 
 #: ``(epoch, index)``: one episode of one epoch.
 Item = tuple[int, int]
 
 #: Finished epochs whose completed sets are kept (for ``completed_in``); older ones are dropped.
 _KEPT_EPOCHS = 4
+#: Quarantine reasons a "no episode can be served" message names (the first ones).
+CAUSES_NAMED = 3
+
+
+def no_episodes_message(dataset: str, num_episodes: int, causes: Sequence[tuple[str, str]] = ()) -> str:
+    """Why a ledger over ``dataset`` (its description) can serve no episode: it has none
+    (``num_episodes`` 0), or every one is quarantined, ``causes`` naming the first few as
+    ``(episode, why)``.
+
+    Example:
+        >>> no_episodes_message("Logs('/data/run1')", 0).split(":")[0]
+        "the episode ledger's dataset Logs('/data/run1') has no episode (len() 0)"
+        >>> no_episodes_message("Logs('/d')", 2, [("episode 0", "ValueError: bad")]).split(". ")[1]
+        'The first: episode 0: ValueError: bad'
+    """
+    if num_episodes <= 0:
+        return (
+            f"the episode ledger's dataset {dataset} has no episode (len() 0): nothing to hand out. "
+            "A folder that does not exist or is empty, or a pattern that matched no file, gives an "
+            "empty dataset: check what the dataset was built from"
+        )
+    named = "; ".join(f"{what}: {why}" for what, why in causes[:CAUSES_NAMED])
+    more = (
+        f" (and {num_episodes - CAUSES_NAMED} more, see quarantined())" if num_episodes > CAUSES_NAMED else ""
+    )
+    return (
+        f"no episode of the episode ledger's dataset {dataset} can be served: all {num_episodes} "
+        f"are quarantined. The first: {named}{more}. Fix the episodes (or the dataset's loading), "
+        "or build the ledger over another dataset"
+    )
 
 
 class LedgerState:
@@ -178,11 +213,20 @@ class LedgerState:
         self.front = deque(item for item in self.front if item[1] != index)
 
     # -- what the ledger reports -----------------------------------------------------------
+    def can_serve(self) -> bool:
+        """Some episode can still be served: not every one is quarantined."""
+        return len(self.quarantined) < self.num_episodes
+
+    def first_causes(self) -> list[tuple[int, str]]:
+        """The first ``CAUSES_NAMED`` quarantined indices and why, in the order they were."""
+        return list(self.quarantined.items())[:CAUSES_NAMED]
+
     def coverage(self, epoch: int) -> float:
-        """Completed share of ``epoch``'s episodes, quarantined ones not counted."""
+        """Completed share of ``epoch``'s episodes that can be served (quarantined ones left
+        out of both counts); 0.0 when none can be: nothing was covered."""
         wanted = self.num_episodes - len(self.quarantined)
         done = len(self.completed.get(epoch, set()) - self.quarantined.keys())
-        return 1.0 if wanted <= 0 else done / wanted
+        return 0.0 if wanted <= 0 else done / wanted
 
     def completed_in(self, epoch: int) -> frozenset[int]:
         """The indices completed in ``epoch`` (kept for the last few finished epochs)."""

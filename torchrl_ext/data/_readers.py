@@ -39,6 +39,7 @@ __all__ = [
     "ReaderPool",
     "Supervised",
     "acquire_reaper",
+    "describe_dataset",
     "describe_episode",
     "describe_error",
     "episode_path",
@@ -51,6 +52,8 @@ _logger = logging.getLogger("torchrl_ext")
 
 #: Seconds a reader gets to exit after it is asked to, before SIGKILL.
 STOP_GRACE = 2.0
+#: Longest description of a dataset an error quotes.
+_DESCRIPTION_CHARS = 200
 
 
 def acquire_reaper() -> str:
@@ -79,6 +82,36 @@ def describe_episode(dataset: Any, index: int) -> str:
     """``episode 3 (/logs/ep3.bin)``: the index, and the path where the dataset names it."""
     where = episode_path(dataset, index)
     return f"episode {index}{f' ({where})' if where else ''}"
+
+
+def describe_dataset(dataset: Any) -> str:
+    """The dataset as an error names it: its ``repr`` where its class defines one (a dataset
+    whose ``__repr__`` names its folder is named by its folder), else its class and length, and
+    where its first episode lives.
+
+    Example:
+        >>> describe_dataset([])
+        '[]'
+        >>> class Logs:
+        ...     def __len__(self): return 2
+        ...     def episode_path(self, index): return f"/data/{index}.csv"
+        >>> describe_dataset(Logs())
+        'Logs of 2 episode(s), the first at /data/0.csv'
+    """
+    if type(dataset).__repr__ is not object.__repr__:
+        try:
+            text = repr(dataset)
+        except Exception:  # a broken repr must not hide the error that names the dataset
+            text = ""
+        if text:
+            cut = len(text) > _DESCRIPTION_CHARS
+            return text[: _DESCRIPTION_CHARS - 3] + "..." if cut else text
+    try:
+        size = len(dataset)
+    except Exception:
+        return type(dataset).__qualname__
+    where = episode_path(dataset, 0) if size else None
+    return f"{type(dataset).__qualname__} of {size} episode(s){f', the first at {where}' if where else ''}"
 
 
 def describe_error(err: BaseException) -> str:
