@@ -38,7 +38,8 @@ kwargs = json.loads(sys.argv[1])
 try:
     ManagedParallelEnv(2, make_env, daemon_workers=False, **kwargs)
 except TypeError as err:
-    print(json.dumps({"error": str(err), "children": [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]}))
+    children = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+    print(json.dumps({"error": str(err), "children": children}))
 """
 
 
