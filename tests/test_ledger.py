@@ -13,6 +13,7 @@ import os
 import pickle
 import signal
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from itertools import islice
 from pathlib import Path
@@ -329,6 +330,48 @@ def test_a_ledger_whose_every_episode_is_quarantined_raises_its_own_error(
             list(ledger)  # iterating does not end quietly either
         stats = ledger.stats()
         assert stats["completed"] == 0 and stats["quarantined"] == 3 and stats["coverage"] == 0.0
+
+
+def _never_answers(*args: Any) -> None:
+    """A ledger process that starts and then says nothing (a stand-in for one that hangs)."""
+    args[-1].enter()  # its Supervised: its own group, dies with its parent
+    threading.Event().wait()
+
+
+@pytest.mark.compat
+def test_a_ledger_whose_process_never_answers_fails_to_build_within_its_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torchrl_ext.data import _ledger
+
+    monkeypatch.setattr(_ledger, "serve", _never_answers)
+    monkeypatch.setattr(_ledger, "START_WAIT", 1.0)
+    monkeypatch.setattr(_ledger, "_CLOSE_WAIT", 1.0)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(RuntimeError, match="could not start: no answer within 1 s"):
+        EpisodeLedger(Episodes(3), num_readers=1, multiprocessing_context="fork")
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before, "its process is ended"
+
+
+@pytest.mark.compat
+def test_a_connection_that_never_says_hello_is_closed_within_its_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from multiprocessing.connection import Client
+
+    from torchrl_ext.data import _ledger_service
+
+    monkeypatch.setattr(_ledger_service, "HELLO_WAIT", 0.5)  # the ledger's process is forked
+    with EpisodeLedger(Episodes(3), num_readers=0, seed=0) as ledger:
+        address, authkey, _dataset = ledger.client().__reduce__()[1]
+        silent = Client(address, family="AF_UNIX", authkey=authkey)
+        try:
+            assert silent.poll(30), "the ledger still holds a connection that said nothing"
+            with pytest.raises(EOFError):
+                silent.recv()
+        finally:
+            silent.close()
+        assert ledger.next()[0] in range(3), "the ledger serves on"
 
 
 # ----------------------------------------------------------------------------- with env workers

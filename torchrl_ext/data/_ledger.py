@@ -35,6 +35,8 @@ from ._readers import (
     acquire_reaper,
     describe_dataset,
     describe_error,
+    end_supervised,
+    first_message,
     owner_tag,
     release_reaper,
     start_supervised,
@@ -44,6 +46,8 @@ __all__ = ["EpisodeLedger", "EpochsExhausted", "LedgerClient", "LedgerClosedErro
 
 #: Seconds the ledger's process gets to close before SIGKILL.
 _CLOSE_WAIT = 5.0
+#: Seconds the ledger's process gets to say it started (its readers too) before it is ended.
+START_WAIT = 60.0
 #: Seconds a closing handle waits for the ledger to take note.
 _GOODBYE_WAIT = 2.0
 #: Seconds the owner waits for an answer of the ledger's process before it gives up on it.
@@ -280,7 +284,12 @@ class EpisodeLedger(Closing):
             args = (dataset, state, plan, theirs)
             self._process, _key = start_supervised(ctx, serve, args, "torchrl_ext-ledger", fifo, owner_tag())
             theirs.close()
-            _asked, kind, detail = self._control.recv()
+            try:
+                _asked, kind, detail = first_message(self._control, START_WAIT, "no answer", self._process)
+            except TimeoutError as err:
+                kind, detail = "error", str(err)
+            except (EOFError, OSError):
+                kind, detail = "error", f"it exited with {format_exitcode(self._process.exitcode)}"
             if kind != "ok":
                 raise RuntimeError(f"the episode ledger's process could not start: {detail}")
         except BaseException:
@@ -306,10 +315,7 @@ class EpisodeLedger(Closing):
                 pass
             control.close()
         if process is not None:
-            process.join(_CLOSE_WAIT)
-            if process.exitcode is None:
-                process.kill()
-                process.join(_CLOSE_WAIT)
+            end_supervised(process, _CLOSE_WAIT)
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
         release_reaper()

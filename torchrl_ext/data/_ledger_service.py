@@ -49,7 +49,15 @@ from typing import Any, Literal
 
 from .. import _identity
 from ._ledger_state import Item, LedgerState, no_episodes_message
-from ._readers import Reader, ReaderPool, Supervised, describe_dataset, describe_episode, episode_path
+from ._readers import (
+    Reader,
+    ReaderPool,
+    Supervised,
+    describe_dataset,
+    describe_episode,
+    episode_path,
+    first_message,
+)
 
 __all__ = ["Plan", "serve"]
 
@@ -57,6 +65,9 @@ _logger = logging.getLogger("torchrl_ext")
 
 #: Seconds between checks that a connected worker's process still exists.
 PEER_CHECK = 0.5
+#: Seconds a new connection gets to say hello before it is closed (a peer that says nothing
+#: holds no thread).
+HELLO_WAIT = 30.0
 #: Latest data waits kept for the p50/p95 in ``stats()``.
 WAIT_WINDOW = 1024
 
@@ -303,7 +314,7 @@ class _Service:
         closed = False
         pid = -1
         try:
-            _hello, pid, ctime, baseline = conn.recv()
+            _hello, pid, ctime, baseline = first_message(conn, HELLO_WAIT, "no hello")
             with self.cond:
                 self.connections[holder] = conn
             while not self.closing:

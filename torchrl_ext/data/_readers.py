@@ -4,7 +4,9 @@ Readers are children of the ledger's process under the package's supervision, wh
 class uses the ledger: each leads its own process group, carries an owner tag that processes it
 execs inherit, arms the parent-death signal, and is reported to the external reaper, which
 kills it (and its group) within milliseconds if the owner dies by any means. The one module of
-``data/`` that starts processes (the ledger's own too, through :func:`start_supervised`).
+``data/`` that starts processes (the ledger's own too, through :func:`start_supervised`), ends
+them (:func:`end_supervised`) and bounds the first message read from a peer
+(:func:`first_message`), with the package's one bounded wait (``_wait``).
 
 A reader's whole protocol, on its end of a pipe::
 
@@ -21,6 +23,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -30,7 +33,7 @@ from typing import Any
 import psutil
 import torch
 
-from .. import _identity, _platform, _reaper_client
+from .. import _identity, _platform, _reaper_client, _wait
 from .._errors import format_exitcode
 from .._tag import new_env_tag
 
@@ -42,7 +45,9 @@ __all__ = [
     "describe_dataset",
     "describe_episode",
     "describe_error",
+    "end_supervised",
     "episode_path",
+    "first_message",
     "owner_tag",
     "release_reaper",
     "start_supervised",
@@ -139,6 +144,40 @@ def start_supervised(
     key = _identity.key_of(psutil.Process(process.pid)) or (process.pid, 0.0)
     _reaper_client.notify_watch(fifo, process.pid, key[1], process.pid)
     return process, key
+
+
+def end_supervised(process: BaseProcess, grace: float) -> None:
+    """End a process :func:`start_supervised` started, once it was asked to exit: wait up to
+    ``grace`` seconds for it, then SIGKILL its group (it leads one) and reap it, bounded too.
+    The one way ``data/`` ends its processes."""
+    process.join(grace)
+    if process.exitcode is None:  # not yet reaped: the group is still its own
+        assert process.pid is not None
+        try:
+            _platform.kill_process_group(process.pid, signal.SIGKILL)
+        except ValueError:  # it had not left our group yet
+            process.kill()
+        process.join(grace)
+
+
+def first_message(conn: Connection, within: float, what: str, process: BaseProcess | None = None) -> Any:
+    """The first message on ``conn``, read within ``within`` seconds: a peer that says nothing
+    holds no one. Raises ``TimeoutError`` (``what`` names the limit), and ``EOFError`` when the
+    peer closed the connection or ``process`` (the peer) exited first."""
+    watched = [conn] if process is None else [conn, process.sentinel]
+
+    def ready() -> bool:
+        return conn.poll(0) or (process is not None and process.exitcode is not None)
+
+    late = _wait.wait_for(
+        ready, time.monotonic() + within, f"{what} within {within:g} s", sleep=_wait.on(watched)
+    )
+    if not late:
+        assert isinstance(late, _wait.Late)
+        raise TimeoutError(late.reason)
+    if not conn.poll(0):  # the peer exited with nothing sent (callers catch it and say so)
+        raise EOFError(what)
+    return conn.recv()
 
 
 @dataclass(frozen=True)
@@ -289,13 +328,7 @@ class ReaderPool:
     def _retire(self, readers: Iterable[Reader]) -> None:
         for reader in readers:
             self._gone_read_bytes += self._last_read.pop(reader.pid, 0)
-            reader.process.join(STOP_GRACE)
-            if reader.process.exitcode is None:  # not yet reaped: the group is still its own
-                try:
-                    _platform.kill_process_group(reader.pid, signal.SIGKILL)
-                except ValueError:  # it had not left our group yet
-                    reader.process.kill()
-                reader.process.join(STOP_GRACE)
+            end_supervised(reader.process, STOP_GRACE)
             reader.conn.close()  # the reaper may keep its key: it checks identity before a kill
 
     def close(self) -> None:
