@@ -363,9 +363,16 @@ class _Service:
             self._fill()
             if not self.state.can_serve():
                 return ("no_episodes", self._no_episodes_message())
-            if not self.state.pending:
+            if not self.state.pending and not self.state.waiting():
                 return ("exhausted", self._exhausted_message())
-            item = self.state.pending[0]
+            item = self.state.pending[0] if self.state.pending else None
+            if item is None:  # a cluster node waiting for its next grant
+                self.cond.wait(PEER_CHECK)
+                if self.closing:
+                    return ("closed",)
+                if conn.poll(0):
+                    return ("gone",)
+                continue
             load = self.loads[item]
             if load.status == "failed":
                 del self.loads[item]

@@ -213,6 +213,11 @@ class LedgerState:
         self.front = deque(item for item in self.front if item[1] != index)
 
     # -- what the ledger reports -----------------------------------------------------------
+    def waiting(self) -> bool:
+        """Nothing to take now, but more may come without a loss (a cluster node's next grant:
+        ``NodeState``); never on one machine, where nothing to take means the epochs are out."""
+        return False
+
     def can_serve(self) -> bool:
         """Some episode can still be served: not every one is quarantined."""
         return len(self.quarantined) < self.num_episodes
