@@ -10,15 +10,27 @@ generated files, in a fresh interpreter, with the configurations interleaved:
                 its own order (what a user writes without the ledger)
 3. ``oracle``   every episode preloaded in each worker: a reset costs nothing (upper bound)
 
-for each number of env workers (default 2, 4, 8). Reported per cell: frames/s (median of the
-repeats), processes (env workers plus the processes that load data: the main process and the
-helpers every configuration has are not counted; the whole tree's peak is given too), the
+for each number of env workers (default 2, 4, 8). ``--cluster`` adds the cluster row, on a Ray
+cluster of 2 worker nodes started on this machine (``ray.cluster_utils.Cluster``), each node an
+actor owning a ``ManagedParallelEnv`` of 2 env workers, both configurations in the same child
+interpreter and the same cluster, their order alternating between repeats:
+
+4. ``cluster``  one ``torchrl_ext.data.ClusterEpisodeLedger`` over the whole dataset
+5. ``per_node`` one ``EpisodeLedger`` per node, each over the whole dataset (what a user writes
+                without the cluster ledger: each episode played once per node per epoch)
+
+both with ``num_readers=0`` (env workers load by index, on their node).
+
+Reported per cell: frames/s (median of the repeats), processes (env workers plus the processes
+that load data: the main process and the helpers every configuration has are not counted; the
+whole tree's peak is given too), the
 tree's peak PSS, and, from the episodes the workers actually played, duplicates per epoch and
 coverage. An epoch of the ledger is its own; for the other configurations it is each run of
 ``len(dataset)`` consecutive resets across all workers (the data a user calls "one epoch").
 
     python benchmarks/ledger_scale.py            # about 8 minutes on 2 cores
     python benchmarks/ledger_scale.py --quick    # about 3 minutes
+    python benchmarks/ledger_scale.py --quick --cluster --envs '' --configs ''  # the cluster row only
 
 Results: ``benchmarks/results/ledger_scale.md`` (``_quick.md``) and the raw numbers as JSON.
 """
@@ -29,6 +41,7 @@ import argparse
 import contextlib
 import functools
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -50,7 +63,132 @@ CONFIGS = {
 }
 
 
+CLUSTER_CONFIGS = {
+    "cluster": "Ray, 2 nodes x 2 env workers, one ClusterEpisodeLedger",
+    "per_node": "Ray, 2 nodes x 2 env workers, one EpisodeLedger per node",
+}
+#: Worker nodes of the cluster row, and env workers per node.
+CLUSTER_NODES, CLUSTER_ENVS = 2, 2
+
+
 # ============================================================================ child process
+class _Host:
+    """A Ray actor on one node owning a ManagedParallelEnv of LogReplayEnv workers; with
+    ``ledger`` None it builds an EpisodeLedger of its own (one per node)."""
+
+    def __init__(self, spec: dict[str, Any], ledger: Any, stats_dir: str) -> None:
+        sys.path.insert(0, str(EXAMPLES))
+        import log_replay
+
+        from torchrl_ext import ManagedParallelEnv
+        from torchrl_ext.data import EpisodeLedger
+
+        self.own = None
+        if ledger is None:
+            dataset = log_replay.LogDataset(spec["paths"], "local")
+            self.own = ledger = EpisodeLedger(dataset, num_readers=0, seed=int(spec["seed"]))
+        make_env = functools.partial(
+            log_replay.LogReplayEnv,
+            spec["paths"],
+            "ledger",
+            "local",
+            step_work=spec["step_work"],
+            stats_dir=stats_dir,
+            episodes=ledger,
+        )
+        self.env = ManagedParallelEnv(CLUSTER_ENVS, make_env, daemon_workers=False, mp_start_method="fork")
+        self.td = self.env.reset()
+
+    def processes(self) -> int:
+        """Env workers, plus this node's own ledger processes."""
+        return len(self.env.worker_pids) + (len(self.own.pids()) if self.own is not None else 0)
+
+    def play(self, frames: int) -> float:
+        started = time.perf_counter()
+        for _ in range(frames // CLUSTER_ENVS):
+            self.td.set("action", self.env.action_spec.rand())
+            _, self.td = self.env.step_and_maybe_reset(self.td)
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self.env.close()
+        if self.own is not None:
+            self.own.close()
+
+
+def _played(stats_dir: Path) -> list[tuple[float, str, int]]:
+    played = []
+    for path in stats_dir.glob("played-*.txt"):
+        for line in path.read_text().splitlines():
+            stamp, fingerprint, epoch = line.split()
+            played.append((float(stamp), fingerprint, int(epoch)))
+    return sorted(played)
+
+
+def run_cluster_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """Both cluster configurations, in ``spec["order"]``, on one local Ray cluster."""
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from torchrl_ext.data import ClusterEpisodeLedger
+
+    sys.path.insert(0, str(EXAMPLES))
+    import log_replay
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    results: dict[str, Any] = {}
+    try:
+        nodes = [cluster.add_node(num_cpus=CLUSTER_ENVS) for _ in range(CLUSTER_NODES)]
+        search = [str(EXAMPLES), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        ray.init(
+            address=cluster.address,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(search)}},  # log_replay's datasets
+        )
+        cluster.wait_for_nodes()
+        host_class = ray.remote(num_cpus=0, max_restarts=0)(_Host)
+        for config in spec["order"]:
+            stats_dir = Path(spec["stats_dir"]) / config
+            stats_dir.mkdir(parents=True, exist_ok=True)
+            ledger = None
+            if config == "cluster":
+                dataset = log_replay.LogDataset(spec["paths"], "local")
+                ledger = ClusterEpisodeLedger(dataset, num_readers=0, seed=int(spec["seed"]))
+            hosts = [
+                host_class.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+                ).remote(spec, ledger, str(stats_dir))
+                for node in nodes
+            ]
+            try:
+                processes = sum(ray.get([h.processes.remote() for h in hosts]))
+                if ledger is not None:
+                    processes += 1 + sum(len(p) for p in ledger.pids().values())  # its actor, agents
+                per_host = int(spec["frames"]) // CLUSTER_NODES
+                t0 = time.perf_counter()
+                ray.get([h.play.remote(per_host) for h in hosts])
+                wall = time.perf_counter() - t0
+                ledger_stats = ledger.stats() if ledger is not None else {}
+                ray.get([h.close.remote() for h in hosts])
+            finally:
+                for host in hosts:
+                    ray.kill(host)
+                if ledger is not None:
+                    ledger.close()
+            results[config] = {
+                "fps": per_host * CLUSTER_NODES / wall,
+                "processes": processes,
+                "played": _played(stats_dir),
+                "ledger": ledger_stats,
+            }
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
+    return results
+
+
 def _data_processes() -> int:
     """Processes of this run that are neither the main process nor a helper."""
     found = 0
@@ -62,6 +200,8 @@ def _data_processes() -> int:
 
 
 def run_child(spec: dict[str, Any]) -> dict[str, Any]:
+    if "order" in spec:
+        return run_cluster_child(spec)
     sys.path.insert(0, str(EXAMPLES))
     import log_replay
 
@@ -112,15 +252,10 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         env.close()
         if ledger is not None:
             ledger.close()
-    played = []
-    for path in stats_dir.glob("played-*.txt"):
-        for line in path.read_text().splitlines():
-            stamp, fingerprint, epoch = line.split()
-            played.append((float(stamp), fingerprint, int(epoch)))
     return {
         "fps": frames / wall,
         "processes": processes,
-        "played": sorted(played),
+        "played": _played(stats_dir),
         "ledger": ledger_stats,
     }
 
@@ -157,6 +292,50 @@ def run_one(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     dup, cov, epochs = epoch_figures(result.pop("played"), len(spec["paths"]))
     result.update(duplicates=dup, coverage=cov, epochs=epochs)
     return result
+
+
+def run_cluster_one(spec: dict[str, Any], timeout: float) -> dict[str, dict[str, Any]]:
+    """One repeat of the cluster row: ``{config: result}``, both from one child and one cluster."""
+    out_path = Path(spec["stats_dir"]) / "result.json"
+    result, error = run_script_child(str(Path(__file__).resolve()), spec, out_path, timeout)
+    if result is None:
+        return {config: {"error": error} for config in spec["order"]}
+    for run in result.values():
+        dup, cov, epochs = epoch_figures(run.pop("played"), len(spec["paths"]))
+        run.update(duplicates=dup, coverage=cov, epochs=epochs)
+    return result
+
+
+def cluster_markdown(cells: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The cluster row's table: each configuration, and the cluster ledger against one ledger
+    per node paired within a repeat (one child, one cluster)."""
+    lines = [
+        "",
+        f"## A Ray cluster: {CLUSTER_NODES} nodes x {CLUSTER_ENVS} env workers",
+        "",
+        "Both configurations in one child interpreter on one `ray.cluster_utils.Cluster` of "
+        f"{CLUSTER_NODES} worker nodes on this machine, order alternating between repeats; "
+        "`num_readers=0` (env workers load by index). `processes`: env workers and ledger "
+        "processes (the cluster ledger's actor and its agents, or each node's ledger process). "
+        "An epoch is the ledger's own: with one ledger per node, each node's epoch `e` together.",
+        "",
+        "| configuration | frames/s | x per node | processes | duplicates / epoch | coverage | epochs |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    base = cells.get("per_node", [])
+    for config, label in CLUSTER_CONFIGS.items():
+        runs = cells.get(config, [])
+        ok = [r for r in runs if "error" not in r]
+        if not ok:
+            errors = "; ".join(r.get("error", "") for r in runs)
+            lines.append(f"| {label} | failed: {errors} | | | | | |")
+            continue
+        lines.append(
+            f"| {label} | {_median(ok, 'fps'):,.0f} | {_paired_ratio(runs, base):.2f}x | "
+            f"{max(r['processes'] for r in ok)} | {max(r['duplicates'] for r in ok):.1f} | "
+            f"{min(r['coverage'] for r in ok):.0%} | {min(r['epochs'] for r in ok)} |"
+        )
+    return lines
 
 
 def _paired_ratio(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> float:
@@ -220,7 +399,8 @@ def build_markdown(cells: dict[tuple[int, str], list[dict[str, Any]]], args: arg
                 f"({fps_ratio:.2f}x), fewer than half their processes ({procs:.2f}x), 0 duplicates "
                 f"({dup:g}) and 100 % coverage ({cov:.0%}): **{'met' if met else 'NOT met'}**."
             )
-    return "\n".join([*lines, "", *verdicts, ""])
+    cluster = getattr(args, "cluster_cells", None) or {}
+    return "\n".join([*lines, "", *verdicts, *(cluster_markdown(cluster) if cluster else []), ""])
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -242,6 +422,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the ledger's reader_nice (its default: 19; 'none': the main process's priority)",
     )
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--cluster", action="store_true", help="add the Ray cluster row (needs the ray extra)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--render", type=Path, help="only rebuild the report from this results JSON")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -294,6 +475,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = run_one(spec, timeout=120.0 + 0.05 * args.frames)
             cells.setdefault((n, config), []).append(result)
             print(f"r{repeat} {n} workers {config}: " + json.dumps(result), flush=True)
+        cluster_cells: dict[str, list[dict[str, Any]]] = {}
+        for repeat in range(args.repeats if args.cluster else 0):
+            order = list(CLUSTER_CONFIGS)[:: 1 if repeat % 2 == 0 else -1]
+            spec = {
+                "order": order,
+                "paths": [str(p) for p in paths],
+                "step_work": args.step_work,
+                "frames": args.frames,
+                "seed": args.seed + repeat,
+                "stats_dir": str(tmp / "runs" / f"cluster-{repeat:03d}"),
+            }
+            wait_for_quiet(0.3, max_wait=20.0)
+            for config, result in run_cluster_one(spec, timeout=300.0 + 0.1 * args.frames).items():
+                cluster_cells.setdefault(config, []).append(result)
+                print(f"r{repeat} cluster {config}: " + json.dumps(result), flush=True)
+        args.cluster_cells = cluster_cells
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     args.generated = time.strftime("%Y-%m-%d %H:%M")
@@ -310,6 +507,7 @@ def render(path: Path) -> int:
     raw = json.loads(path.read_text())
     args = argparse.Namespace(**raw["meta"])
     cells = {(int(key.split("/")[0]), key.split("/")[1]): runs for key, runs in raw["cells"].items()}
+    args.cluster_cells = raw["meta"].get("cluster_cells", {})
     out = path.with_suffix(".md")
     out.write_text(build_markdown(cells, args))
     print(out.read_text())

@@ -217,3 +217,55 @@ def test_three_nodes_two_epochs_each_episode_once_while_a_worker_and_a_node_are_
     finally:
         ledger.close()
     assert not glob.glob(os.path.join(tempfile.gettempdir(), f"torchrl_ext-cl-{token}-*"))
+
+
+@pytest.fixture
+def one_node(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A local Ray instance (one node, 1 CPU) with Ray's default settings."""
+    ray = pytest.importorskip("ray", reason="needs the optional Ray extra: pip install 'torchrl-ext[ray]'")
+    import psutil
+
+    from tests.test_ray import KILL_CHILDREN_VAR, _wait_for_ray_to_exit
+
+    monkeypatch.delenv(KILL_CHILDREN_VAR, raising=False)
+    ours_before = {p.pid for p in psutil.Process().children()}
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        _wait_for_ray_to_exit(ours_before)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_a_resumed_cluster_ledger_continues_the_epoch_and_keeps_its_quarantine(one_node: Any) -> None:
+    """Episode 3 fails to load (quarantined, cluster-wide); ``state_dict()`` with episode 4 held
+    and a new cluster ledger ``load_state_dict()``: the epoch goes on, every other episode once."""
+    from tests.ledger_envs import Episodes
+    from tests.polling import wait_until
+    from torchrl_ext.data import ClusterEpisodeLedger
+
+    ledger = ClusterEpisodeLedger(Episodes(8, corrupt=(3,)), shuffle=False, epochs=1)
+    try:
+        client = ledger.client()
+        got = [client.next()[0] for _ in range(4)]
+        assert got == [0, 1, 2, 4]
+        wait_until(lambda: 3 in ledger.quarantined(), "the node reported the quarantine")
+        state = ledger.state_dict()
+        assert sorted(ledger.completed_in(0)) == [0, 1, 2], "what the node completed was flushed"
+        client.close()
+    finally:
+        ledger.close()
+    resumed = ClusterEpisodeLedger(Episodes(8, corrupt=(3,)), shuffle=True, seed=7, epochs=1)
+    try:
+        resumed.load_state_dict(state)
+        rest = [index for index, _episode in resumed.client()]
+        assert rest[0] == 4 and sorted(rest) == [4, 5, 6, 7], rest
+        wait_until(lambda: resumed.finished, "the resumed epoch finished")
+        assert resumed.completed_in(0) == frozenset({0, 1, 2, 4, 5, 6, 7})
+        assert resumed.quarantined() == {3: "ValueError: truncated log in episode 3"}
+        assert resumed.stats()["duplicates"] == 0
+    finally:
+        resumed.close()
