@@ -27,13 +27,13 @@ import secrets
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator
 from typing import Any
 
 from ._cluster_state import ClusterState, NodeState, SyncReply
-from ._ledger import LedgerClient, NoEpisodesError
+from ._ledger import LedgerClient, checked_state
 from ._ledger_service import Plan, _Service
-from ._ledger_state import LedgerState, no_episodes_message
+from ._ledger_state import LedgerState
 from ._readers import Supervised, acquire_reaper, describe_dataset, owner_tag, release_reaper
 
 __all__ = ["ClusterEpisodeLedger"]
@@ -296,17 +296,12 @@ class ClusterEpisodeLedger:
         ray = _ray()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        if not isinstance(dataset, Sized):
-            raise TypeError("ClusterEpisodeLedger needs a map-style dataset with a length (index -> episode)")
-        if num_readers < 0 or prefetch < 1:
-            raise ValueError(f"num_readers must be >= 0 and prefetch >= 1, got {num_readers}, {prefetch}")
+        options = (shuffle, seed, epochs, quarantine_after)
+        state = checked_state(dataset, num_readers, prefetch, options, "ClusterEpisodeLedger")
         if not ray.is_initialized():
             raise RuntimeError("ClusterEpisodeLedger is built in a Ray driver: call ray.init() first")
         self._closed = False
-        self._num_episodes = len(dataset)
-        if not self._num_episodes:
-            raise NoEpisodesError(no_episodes_message(describe_dataset(dataset), 0))
-        state = LedgerState(self._num_episodes, shuffle, seed, epochs, quarantine_after)
+        self._num_episodes = state.num_episodes
         self._token = secrets.token_hex(4)  # fixed: names the agents' sockets
         self._authkey = secrets.token_bytes(32)  # fixed
         self._dataset = dataset if num_readers == 0 else None  # what a client loads itself from

@@ -42,7 +42,14 @@ from ._readers import (
     start_supervised,
 )
 
-__all__ = ["EpisodeLedger", "EpochsExhausted", "LedgerClient", "LedgerClosedError", "NoEpisodesError"]
+__all__ = [
+    "EpisodeLedger",
+    "EpochsExhausted",
+    "LedgerClient",
+    "LedgerClosedError",
+    "NoEpisodesError",
+    "checked_state",
+]
 
 #: Seconds the ledger's process gets to close before SIGKILL.
 _CLOSE_WAIT = 5.0
@@ -191,6 +198,24 @@ def _say_goodbye(conn: Connection, pid: int) -> None:
     conn.close()
 
 
+def checked_state(
+    dataset: Any,
+    num_readers: int,
+    prefetch: int,
+    options: tuple[bool, int | None, int | None, int],
+    owner: str = "EpisodeLedger",
+) -> LedgerState:
+    """The bookkeeping a ledger (``owner`` names its class) starts with, once its arguments are
+    checked; ``options``: ``(shuffle, seed, epochs, quarantine_after)``."""
+    if not isinstance(dataset, Sized):
+        raise TypeError(f"{owner} needs a map-style dataset with a length (index -> episode)")
+    if num_readers < 0 or prefetch < 1:
+        raise ValueError(f"num_readers must be >= 0 and prefetch >= 1, got {num_readers}, {prefetch}")
+    if not len(dataset):
+        raise NoEpisodesError(no_episodes_message(describe_dataset(dataset), 0))
+    return LedgerState(len(dataset), *options)
+
+
 class EpisodeLedger(Closing):
     """Hand each episode of ``dataset`` to exactly one env worker per epoch, across all of them.
 
@@ -246,15 +271,9 @@ class EpisodeLedger(Closing):
         multiprocessing_context: str | None = None,
         reader_nice: int | None = 19,
     ) -> None:
-        if not isinstance(dataset, Sized):
-            raise TypeError("EpisodeLedger needs a map-style dataset with a length (index -> episode)")
-        if num_readers < 0 or prefetch < 1:
-            raise ValueError(f"num_readers must be >= 0 and prefetch >= 1, got {num_readers}, {prefetch}")
+        state = checked_state(dataset, num_readers, prefetch, (shuffle, seed, epochs, quarantine_after))
         self._closed = False
-        self._num_episodes = len(dataset)
-        if not self._num_episodes:
-            raise NoEpisodesError(no_episodes_message(describe_dataset(dataset), 0))
-        state = LedgerState(len(dataset), shuffle, seed, epochs, quarantine_after)
+        self._num_episodes = state.num_episodes
         if multiprocessing_context is None and "fork" in multiprocessing.get_all_start_methods():
             multiprocessing_context = "fork"  # starts in milliseconds; torch is not re-imported
         ctx = multiprocessing.get_context(multiprocessing_context)
