@@ -269,3 +269,29 @@ def test_a_resumed_cluster_ledger_continues_the_epoch_and_keeps_its_quarantine(o
         assert resumed.stats()["duplicates"] == 0
     finally:
         resumed.close()
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_a_cluster_nodes_reader_killed_by_an_episode_is_replaced_and_the_episode_quarantined(
+    one_node: Any,
+) -> None:
+    """A node's agent runs 1 reader; episode 2 SIGKILLs whoever loads it: the reader is replaced,
+    at the second loss the episode is quarantined cluster-wide, every other episode once."""
+    from tests.ledger_envs import Episodes
+    from tests.polling import wait_until
+    from torchrl_ext.data import ClusterEpisodeLedger
+
+    ledger = ClusterEpisodeLedger(Episodes(6, crash=(2,)), num_readers=1, shuffle=False, epochs=1)
+    try:
+        client = ledger.client()
+        got = [index for index, _episode in client]
+        assert got == [0, 1, 3, 4, 5]
+        wait_until(lambda: ledger.finished, "the node reported every completion")
+        stats = ledger.stats()
+        assert list(ledger.quarantined()) == [2] and stats["reader_restarts"] == 2, stats
+        assert stats["readers_alive"] == 1 and stats["duplicates"] == 0
+        assert ledger.completed_in(0) == frozenset({0, 1, 3, 4, 5})
+        client.close()
+    finally:
+        ledger.close()
