@@ -77,7 +77,7 @@ def _time_torchrl(env: Any, warmup: int, steps: int) -> tuple[list[float], dict[
             times.append(time.perf_counter() - t)
     extra: dict[str, Any] = {}
     if "_managed_state" in env.__dict__:  # never getattr: ParallelEnv forwards it to the workers
-        extra["step_path"] = env.stats().get("step_path")
+        extra["step_path"] = env.step_path[0]
     return times, extra
 
 
@@ -196,12 +196,15 @@ def _ratio(row: dict[str, Any], a: str, b: str) -> float | None:
     return None
 
 
-def write_markdown(rows: list[dict[str, Any]], configs: Sequence[str], meta: dict[str, Any], path: Path) -> None:
+def write_markdown(
+    rows: list[dict[str, Any]], configs: Sequence[str], meta: dict[str, Any], path: Path
+) -> None:
     lines = [
         "# Batched step: microseconds per `step_and_maybe_reset`",
         "",
-        f"{meta['machine']}; {meta['repeats']} interleaved trial(s) per cell, {meta['steps']} timed steps each "
-        f"after {meta['warmup']} warm-up steps; each cell's configurations ran side by side in time. "
+        f"{meta['machine']}; {meta['repeats']} interleaved trial(s) per cell, "
+        f"{meta['steps']} timed steps each after {meta['warmup']} warm-up steps; "
+        "each cell's configurations ran side by side in time. "
         f"Machine load while measuring (all cores, every process, ours included): median "
         f"{meta['busy_cores_median']:.2f} busy cores of {meta['cores']}.",
         "",
@@ -226,10 +229,16 @@ def write_markdown(rows: list[dict[str, Any]], configs: Sequence[str], meta: dic
             r = _ratio(row, a, b)
             cells.append("" if r is None else f"{r:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
-    paths = {row[c]["step_path"] for row in rows for c in ("managed", "managed_fork") if row.get(c, {}).get("step_path")}
+    ours = ("managed", "managed_fork")
+    paths = {row[c]["step_path"] for row in rows for c in ours if row.get(c, {}).get("step_path")}
     if paths:
-        lines += ["", f"Step path of the managed envs (`stats()['step_path']`): {', '.join(sorted(paths))}."]
-    errors = [f"{row['env']}/{row['workers']}/{c}: {row[c]['error']}" for row in rows for c in configs if "error" in row.get(c, {})]
+        lines += ["", f"Step path of the managed envs (`env.step_path`): {', '.join(sorted(paths))}."]
+    errors = [
+        f"{row['env']}/{row['workers']}/{c}: {row[c]['error']}"
+        for row in rows
+        for c in configs
+        if "error" in row.get(c, {})
+    ]
     if errors:
         lines += ["", "Failed trials:", *[f"- {e}" for e in errors]]
     path.write_text("\n".join(lines) + "\n")

@@ -58,7 +58,12 @@ class StepEnv(EnvBase):
         self._t += 1
         done = torch.tensor([self._t >= EPISODE_LEN])
         return TensorDict(
-            {**self._observe(), "reward": tensordict["action"].clone(), "done": done, "terminated": done.clone()},
+            {
+                **self._observe(),
+                "reward": tensordict["action"].clone(),
+                "done": done,
+                "terminated": done.clone(),
+            },
             batch_size=[],
         )
 
