@@ -81,10 +81,11 @@ def _time_torchrl(env: Any, warmup: int, steps: int) -> tuple[list[float], dict[
     return times, extra
 
 
-def _time_gym(env: Any, workers: int, warmup: int, steps: int) -> list[float]:
+def _time_vec(env: Any, workers: int, warmup: int, steps: int) -> list[float]:
+    """Per-step seconds of a gymnasium or SB3 vector env (same call: ``step(actions)``)."""
     import numpy as np
 
-    env.reset(seed=0)
+    env.reset()
     actions = np.zeros((workers, 1), dtype=np.float32)
     times = []
     for i in range(warmup + steps):
@@ -116,19 +117,7 @@ def trial(spec: dict[str, Any]) -> dict[str, Any]:
 
             env = SubprocVecEnv(fns, start_method="fork")
         try:
-            if config == "sb3":
-                import numpy as np
-
-                env.reset()
-                actions = np.zeros((workers, 1), dtype=np.float32)
-                times = []
-                for i in range(warmup + steps):
-                    t = time.perf_counter()
-                    env.step(actions)
-                    if i >= warmup:
-                        times.append(time.perf_counter() - t)
-            else:
-                times = _time_gym(env, workers, warmup, steps)
+            times = _time_vec(env, workers, warmup, steps)
         finally:
             env.close()
     else:

@@ -16,59 +16,44 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 from torchrl.data import Bounded, Composite, Unbounded
-from torchrl.envs import EnvBase
+from trivial_env import TrivialEnv
 
 EPISODE_LEN = 50
 FRAME = (3, 84, 84)
 FEATURES = 200
 
 
-class StepEnv(EnvBase):
-    """``kind="trivial"`` or ``"replay"`` (see the module docstring)."""
+class StepEnv(TrivialEnv):
+    """``kind="trivial"`` (``trivial_env.TrivialEnv`` itself) or ``"replay"`` (see the module
+    docstring)."""
 
     def __init__(self, kind: str = "trivial", **kwargs: Any) -> None:
-        super().__init__(batch_size=torch.Size([]), **kwargs)
+        super().__init__(loader=False, episode_len=EPISODE_LEN, **kwargs)
         self.kind = kind
-        self._t = 0
+        self._base = torch.zeros(4)
+        self._frame: torch.Tensor | None = None
         if kind == "replay":
-            self._obs = torch.arange(FEATURES, dtype=torch.float32)
+            self._base = torch.arange(FEATURES, dtype=torch.float32)
             self._frame = torch.arange(int(torch.tensor(FRAME).prod())).reshape(FRAME).to(torch.uint8)
             self.observation_spec = Composite(
                 observation=Unbounded(shape=(FEATURES,)),
                 pixels=Bounded(0, 255, shape=FRAME, dtype=torch.uint8),
             )
-        else:
-            self._obs = torch.zeros(4)
-            self.observation_spec = Composite(observation=Unbounded(shape=(4,)))
-        self.action_spec = Bounded(-1.0, 1.0, shape=(1,))
-        self.reward_spec = Unbounded(shape=(1,))
+        self._obs = self._base
 
-    def _observe(self) -> dict[str, torch.Tensor]:
-        out = {"observation": self._obs + self._t}
-        if self.kind == "replay":
-            out["pixels"] = self._frame
-        return out
+    def _next_item(self) -> torch.Tensor:
+        return self._base
+
+    def _with_frame(self, td: TensorDict) -> TensorDict:
+        if self._frame is not None:
+            td.set("pixels", self._frame)
+        return td
 
     def _reset(self, tensordict: TensorDict | None = None, **kwargs: Any) -> TensorDict:
-        self._t = 0
-        done = torch.zeros(1, dtype=torch.bool)
-        return TensorDict({**self._observe(), "done": done, "terminated": done.clone()}, batch_size=[])
+        return self._with_frame(super()._reset(tensordict, **kwargs))
 
     def _step(self, tensordict: TensorDict) -> TensorDict:
-        self._t += 1
-        done = torch.tensor([self._t >= EPISODE_LEN])
-        return TensorDict(
-            {
-                **self._observe(),
-                "reward": tensordict["action"].clone(),
-                "done": done,
-                "terminated": done.clone(),
-            },
-            batch_size=[],
-        )
-
-    def _set_seed(self, seed: int | None) -> None:
-        pass
+        return self._with_frame(super()._step(tensordict))
 
 
 def make_env(kind: str = "trivial") -> StepEnv:
