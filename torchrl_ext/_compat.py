@@ -56,6 +56,7 @@ __all__ = [
     "INVENTORY",
     "NO_PIPE_ANSWER",
     "PER_START_KWARGS",
+    "STEP_MDP",
     "TESTED_RELEASES",
     "TESTED_TORCHRL",
     "UPSTREAM_DEFAULTS",
@@ -205,6 +206,10 @@ HOOKS = {
 COLLECTOR_EXCLUDES = _declare(
     "class", "_get_collector_next_keys_to_exclude", "a collector's dropped keys: TorchRL's step path", (0, 14)
 )
+
+#: ``EnvBase._step_mdp``: the root TorchRL's worker loop writes after a plain ``step`` (the
+#: step path's worker makes it the same way).
+STEP_MDP = _declare("class", "_step_mdp", "the worker's next root after a plain step (step path)")
 
 _PIPE_TIMEOUT = _module_name("_utils.BATCHED_PIPE_TIMEOUT", "TorchRL's wait bound before a start sets it")
 

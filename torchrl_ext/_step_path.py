@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ._compat import COLLECTOR_EXCLUDES, Upstream
+from ._compat import COLLECTOR_EXCLUDES, STEP_MDP, Upstream
 
 __all__ = [
     "STEP_AND_MAYBE_RESET",
@@ -205,7 +205,7 @@ class WorkerPlan:
         env = self._env()
         out = env.step(self._input(self._root.copy(), data))
         self._next_copies.apply(out.get("next"))
-        self._root_copies.apply(env._step_mdp(out))
+        self._root_copies.apply(getattr(env, STEP_MDP)(out))
         self._flags[self._idx] = 1
 
     def reset(self, data: Any) -> None:
