@@ -33,6 +33,7 @@ NAMES = [
     "preloaded start",
     "TorchRL",
     "torch",
+    "step path",
     "Ray",
 ]
 STATUSES = ("ok", "degraded", "missing")
@@ -125,6 +126,17 @@ def test_torchrl_check_detects_tested_versions_by_features() -> None:
     version = _doctor._distribution_version("torchrl") or _doctor._distribution_version("torchrl-nightly")
     if version in _compat.TESTED_TORCHRL:  # a tested build, 0.15's stand-in nightly included
         assert checks["TorchRL"].status == "ok", checks["TorchRL"]
+
+
+@pytest.mark.compat
+def test_the_step_path_check_names_the_path_this_torchrl_allows() -> None:
+    checks = {c.name: c for c in _doctor.run_checks(orphan_test=False)}
+    check = checks["step path"]
+    assert check.ok
+    if _compat.HAS_DAEMON_KWARG:  # TorchRL >= 0.11: shared done flags, our path can serve
+        assert check.detail.startswith("ours for envs with shared buffers"), check
+    else:
+        assert check.detail.startswith("TorchRL's for every env"), check
 
 
 def test_cli_exit_code_follows_the_checks(

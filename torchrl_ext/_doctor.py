@@ -383,6 +383,24 @@ def check_torchrl(version: str | None, *, has_daemon: bool, has_shutdown_timeout
     return Check(name, "ok", f"{release} (tested; API of {api})")
 
 
+def check_step_path(has_done_flags: bool) -> Check:
+    """Which batched step path this TorchRL lets a managed env run (always ``ok``: TorchRL's
+    path is upstream's own; ``env.step_path`` says which one an env runs, and why).
+
+    Example:
+        >>> check_step_path(False).detail.split(":")[0]
+        "TorchRL's for every env"
+    """
+    if has_done_flags:
+        return Check(
+            "step path",
+            "ok",
+            "ours for envs with shared buffers (use_buffers) and tensor-only CPU specs, TorchRL's "
+            "for the others; env.step_path says which and why",
+        )
+    return Check("step path", "ok", "TorchRL's for every env: TorchRL < 0.11 answers through events")
+
+
 def check_torch(version: str) -> Check:
     """Judge torch's version against the tested one (the local part, ``+cpu``, is ignored)."""
     release = version.split("+")[0]
@@ -472,6 +490,7 @@ def run_checks(*, orphan_test: bool = True, orphan_timeout: float = 5.0) -> list
             has_shutdown_timeout=_compat.HAS_SHUTDOWN_TIMEOUT_KWARG,
         ),
         check_torch(str(torch.__version__)),
+        check_step_path(_compat.HAS_DAEMON_KWARG),
         check_ray(importlib.util.find_spec("ray") is not None, os.environ),
     ]
 
