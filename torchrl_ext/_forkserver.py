@@ -12,6 +12,10 @@ warm process:
 
 * **Start** costs a fork, not an import. Workers end with ``os._exit`` (as every forked
   ``multiprocessing`` child does), so they close fast too.
+* **Zygote**: where the owner is provably safe to fork when the server starts (one thread,
+  CUDA not initialised: ``_platform.fork_unsafe_reason``), the server is a fork of the owner
+  instead of a new interpreter, and its own start costs a fork too (NOTE [zygote]); otherwise
+  one INFO line says why, and the server imports everything as above.
 * **Random state** is fresh in each direct child of the server, as a spawned process's would
   be: torch's default generator and numpy's legacy global state are reseeded from the OS at
   fork (``random`` reseeds itself). Forks made later *by* a worker keep fork semantics.
@@ -563,12 +567,14 @@ def _become_zygote(keep: Sequence[int], tag: Tag, owner_pid: int, arm_pdeathsig:
     they were at this moment (its ``__main__`` included: a factory defined there is found
     without importing the script again), its open files and terminals, its environment (plus
     the server's tag), its working directory, ignored signals and signal mask. What it does not
-    inherit: the owner's Python signal handlers and wakeup fd (reset to the defaults of a new
-    interpreter), its exit handlers (``atexit``) and ``multiprocessing`` finalizers and
-    children, its threads (none ran: see NOTE [fork-safe now]) and every registry of ours
-    (``_lifecycle``'s envs, the reaper client, this module's own server: their fork handlers
-    clear them), its pipes, sockets and anonymous descriptors (pointed at ``/dev/null``:
-    ``_platform.neutralise_descriptors``) and its stdin (``/dev/null``, as a new server has)."""
+    inherit: the owner's exec-time ``/proc/<pid>/environ`` (the server's tag shows there, as an
+    interpreter server's does: ``_platform.show_environment``), its Python signal handlers and
+    wakeup fd (reset to the defaults of a new interpreter), its exit handlers (``atexit``),
+    ``multiprocessing`` finalizers and children, its threads (none ran: NOTE [fork-safe now]),
+    every registry of ours (``_lifecycle``'s envs, the reaper client, this module's own server:
+    their fork handlers clear them), its pipes, sockets and anonymous descriptors (pointed at
+    ``/dev/null``: ``_platform.neutralise_descriptors``) and its stdin (``/dev/null``, as a new
+    server has)."""
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
     if arm_pdeathsig and _platform.set_parent_death_signal(signal.SIGKILL) and os.getppid() != owner_pid:
@@ -588,10 +594,13 @@ def _become_zygote(keep: Sequence[int], tag: Tag, owner_pid: int, arm_pdeathsig:
     tracker_fd = getattr(multiprocessing.resource_tracker._resource_tracker, "_fd", None)
     _platform.neutralise_descriptors([*keep, *([tracker_fd] if isinstance(tracker_fd, int) else [])])
     null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
+    if null != 0:  # 0 itself when the owner had closed its stdin
+        os.dup2(null, 0)
+        os.close(null)
     os.environ[_identity.OWNER_VAR] = str(tag)
     os.environ[_identity.WORKER_VAR] = TAG_SUFFIX
+    # Its tag where the tag scans read it, as an interpreter server carries it since its exec.
+    _platform.show_environment([_identity.OWNER_VAR, _identity.WORKER_VAR])
 
 
 def _import_all(modules: Sequence[str]) -> None:
@@ -759,6 +768,11 @@ class _Server:
     ) -> _ForkedServer:
         """NOTE [zygote]: the server as a fork of this process."""
         listener_fd, alive_r, status_w = fds
+        # What this process has buffered but not written would be written again by its forks.
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    stream.flush()
         pid = os.fork()
         if pid == 0:
             try:
@@ -768,6 +782,9 @@ class _Server:
                 _serve_preloaded(
                     listener_fd, alive_r, status_w, key, functools.partial(_import_all, modules), False
                 )
+            except BaseException:  # the owner reports a server that exited before its report
+                traceback.print_exc()
+                sys.stderr.flush()
             finally:
                 os._exit(1)
         with contextlib.suppress(OSError):  # it leads its own group from here on, whoever runs first

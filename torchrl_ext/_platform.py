@@ -46,6 +46,7 @@ __all__ = [
     "process_name",
     "set_child_subreaper",
     "set_parent_death_signal",
+    "show_environment",
     "signal_name",
     "spawn_passing_fds",
 ]
@@ -530,3 +531,36 @@ def neutralise_descriptors(keep: Sequence[int]) -> None:
             os.dup2(null, fd, inheritable=os.get_inheritable(fd))
     finally:
         os.close(null)
+
+
+def show_environment(first: Sequence[str]) -> bool:
+    """In a forked child that never execs: make ``/proc/<pid>/environ`` show this process's
+    ``os.environ`` (the variables named in ``first`` first), as an exec with it would.
+
+    ``/proc/<pid>/environ`` shows the memory between the ``env_start`` and ``env_end`` fields of
+    ``/proc/<pid>/stat``: the block of strings the last exec left. libc's ``environ`` is moved
+    to copies first (``clearenv``, then ``putenv`` of every variable), then the block is
+    overwritten, as long as it holds: a variable that no longer fits is left out of the view
+    (never out of the environment). Returns whether it was written (Linux only)."""
+    libc = _libc()
+    if libc is None or portable_only():
+        return False
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            stat = fh.read()
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        start, end = int(fields[47]), int(fields[48])  # fields 50 and 51: env_start, env_end
+    except (OSError, ValueError, IndexError):
+        return False
+    if end <= start:
+        return False
+    env = dict(os.environ)
+    if libc.clearenv() != 0:
+        return False
+    for key, value in env.items():
+        os.putenv(key, value)
+    order = [k for k in first if k in env] + [k for k in env if k not in first]
+    blob = b"".join(os.fsencode(f"{key}={env[key]}") + b"\0" for key in order)[: end - start]
+    kept = blob[: blob.rfind(b"\0") + 1]  # whole entries only
+    ctypes.memmove(start, kept + b"\0" * (end - start - len(kept)), end - start)
+    return True
