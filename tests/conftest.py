@@ -144,7 +144,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     single-threaded, so the in-process tests on the default path use a zygote, as a program
     that calls ``torchrl_ext.start_fork_server()`` early does. The interpreter server stays
     tested in child interpreters (``interpreter``, TORCHRL_EXT_ZYGOTE=0) and tests/test_zygote.py."""
-    if os.environ.get("TORCHRL_EXT_ZYGOTE") == "0" or not session.items:
+    if os.environ.get("TORCHRL_EXT_ZYGOTE") == "0" or not session.items or session.config.option.collectonly:
         return
     import torchrl_ext
 

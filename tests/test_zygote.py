@@ -33,9 +33,9 @@ def _run(mode: str, tmp_path: Path, **env: str) -> tuple[dict[str, Any], list[di
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "result.json").read_text())
     # Written once: no fork of the main process wrote its buffered output again.
     assert proc.stdout.count("printed once by the main process") == 1, proc.stdout
-    result = json.loads((tmp_path / "result.json").read_text())
     workers = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("worker-*.json"))]
     return result, workers
 
@@ -49,6 +49,7 @@ def test_a_single_threaded_main_process_forks_its_server(mode: str, tmp_path: Pa
     """The default start in a fresh program: the server is a zygote, shown in ``stats()``; its
     workers draw distinct random numbers, and the main process's pipe is not held by them."""
     result, workers = _run(mode, tmp_path)
+    assert result["start_method"] == "preloaded", result  # the default path
     assert result["kind"] == "zygote" and result["fallback"] is None, result
     assert result["server_zygote"] == 1
     assert not _fallback_lines(result)
@@ -66,7 +67,7 @@ def test_a_single_threaded_main_process_forks_its_server(mode: str, tmp_path: Pa
 def test_the_zygote_drops_the_main_processs_handlers(tmp_path: Path) -> None:
     """The owner's Python signal handlers and exit handlers stay with the owner."""
     result, workers = _run("handlers", tmp_path)
-    assert result["kind"] == "zygote", result
+    assert result["start_method"] == "preloaded" and result["kind"] == "zygote", result
     in_workers = [w for w in workers if w["pid"] in result["workers"]]
     assert in_workers and all("lambda" not in w["sigusr1"] for w in in_workers), in_workers
     # The workers' own SIGTERM handler is the library's worker handler, not the owner's lambda.
@@ -97,7 +98,7 @@ def test_an_unsafe_main_process_falls_back_with_one_line(
     """Each fork-safety check, made to fail: the server is a new interpreter, and one logged
     line names the reason; the env works as before."""
     result, workers = _run(mode, tmp_path, **env)
-    assert result["kind"] == "interpreter", result
+    assert result["start_method"] == "preloaded" and result["kind"] == "interpreter", result
     assert reason in result["fallback"], result
     assert result["server_zygote"] == 0
     lines = _fallback_lines(result)

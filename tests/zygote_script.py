@@ -85,6 +85,7 @@ def main() -> int:
     os.close(pipe_w)
     pipe_eof = bool(select.select([pipe_r], [], [], 10)[0]) and os.read(pipe_r, 1) == b""
     result = {
+        "start_method": env.start_method,
         "kind": kind,
         "fallback": fallback,
         "early": early,
