@@ -565,14 +565,15 @@ def _become_zygote(keep: Sequence[int], tag: Tag, owner_pid: int, arm_pdeathsig:
 
     What a worker forked from it inherits, as from ``fork``: the owner's modules and memory as
     they were at this moment (its ``__main__`` included: a factory defined there is found
-    without importing the script again), its open files and terminals, its environment (plus
-    the server's tag), its working directory, ignored signals and signal mask. What it does not
-    inherit: the owner's exec-time ``/proc/<pid>/environ`` (the server's tag shows there, as an
-    interpreter server's does: ``_platform.show_environment``), its Python signal handlers and
-    wakeup fd (reset to the defaults of a new interpreter), its exit handlers (``atexit``),
-    ``multiprocessing`` finalizers and children, its threads (none ran: NOTE [fork-safe now]),
-    every registry of ours (``_lifecycle``'s envs, the reaper client, this module's own server:
-    their fork handlers clear them), its pipes, sockets and anonymous descriptors (pointed at
+    without importing the script again; named ``__mp_main__`` as under spawn), its open files
+    and terminals, its environment (plus the server's tag), its working directory, ignored
+    signals and signal mask. What it does not inherit: the owner's exec-time
+    ``/proc/<pid>/environ`` (the server's tag shows there, as an interpreter server's does:
+    ``_platform.show_environment``), its Python signal handlers and wakeup fd (reset to the
+    defaults of a new interpreter), its exit handlers (``atexit``), ``multiprocessing``
+    finalizers and children, its threads (none ran: NOTE [fork-safe now]), every registry of
+    ours (``_lifecycle``'s envs, the reaper client, this module's own server: their fork
+    handlers clear them), its pipes, sockets and anonymous descriptors (pointed at
     ``/dev/null``: ``_platform.neutralise_descriptors``) and its stdin (``/dev/null``, as a new
     server has)."""
     with contextlib.suppress(OSError):
@@ -597,10 +598,26 @@ def _become_zygote(keep: Sequence[int], tag: Tag, owner_pid: int, arm_pdeathsig:
     if null != 0:  # 0 itself when the owner had closed its stdin
         os.dup2(null, 0)
         os.close(null)
+    _name_main_as_spawn()
     os.environ[_identity.OWNER_VAR] = str(tag)
     os.environ[_identity.WORKER_VAR] = TAG_SUFFIX
     # Its tag where the tag scans read it, as an interpreter server carries it since its exec.
     _platform.show_environment([_identity.OWNER_VAR, _identity.WORKER_VAR])
+
+
+def _name_main_as_spawn() -> None:
+    """The owner's main module, kept, under the name spawn gives the one it imports again in a
+    worker (``__mp_main__``, so ``__name__ != "__main__"`` there as under spawn), where spawn
+    would import it (a script, or a module run with ``-m``; not a package's ``__main__``)."""
+    prep = preparation_data("zygote")
+    name = prep.get("init_main_from_name")
+    if "init_main_from_path" not in prep and (
+        name is None or name == "__main__" or name.endswith(".__main__")
+    ):
+        return
+    main = sys.modules["__main__"]
+    main.__name__ = "__mp_main__"
+    sys.modules["__mp_main__"] = main
 
 
 def _import_all(modules: Sequence[str]) -> None:
