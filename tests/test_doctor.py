@@ -31,6 +31,7 @@ NAMES = [
     "ulimit -n",
     "start method",
     "preloaded start",
+    "fork server",
     "TorchRL",
     "torch",
     "step path",
@@ -446,3 +447,15 @@ def test_platform_checks_start_no_process() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     if sys.platform.startswith("linux"):
         assert proc.stdout.startswith("[True, True,"), proc.stdout  # prctl was found all the same
+
+
+def test_fork_server_check_names_the_kind_and_the_reason() -> None:
+    """NOTE [zygote]: the doctor says how this process's server starts, or started, and why
+    it is not a zygote."""
+    assert "zygote" in _doctor.check_fork_server(None, (None, None)).detail
+    check = _doctor.check_fork_server("1 other Python thread(s) run (t)", (None, None))
+    assert "new interpreter" in check.detail and "1 other Python thread(s) run (t)" in check.detail
+    assert "start_fork_server()" in check.hint
+    assert "zygote" in _doctor.check_fork_server("x", ("zygote", None)).detail
+    check = _doctor.check_fork_server(None, ("interpreter", "CUDA is initialised in this process"))
+    assert "CUDA is initialised" in check.detail and check.status == "ok"
