@@ -137,6 +137,20 @@ def reaper_stops_at_last_close(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_reaper_client, "LINGER", 0.0)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the preloaded fork server once collection is done, outside any test: pytest's
+    faulthandler arms a watchdog thread during each test (``faulthandler_timeout``), and a
+    process with a second thread cannot fork its server (NOTE [zygote]). Here the process is
+    single-threaded, so the in-process tests on the default path use a zygote, as a program
+    that calls ``torchrl_ext.start_fork_server()`` early does. The interpreter server stays
+    tested in child interpreters (``interpreter``, TORCHRL_EXT_ZYGOTE=0) and tests/test_zygote.py."""
+    if os.environ.get("TORCHRL_EXT_ZYGOTE") == "0" or not session.items or session.config.option.collectonly:
+        return
+    import torchrl_ext
+
+    torchrl_ext.start_fork_server()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def preloaded_server_ends() -> Iterator[None]:
     """The preloaded fork server outlives single tests (it is started once per process, as

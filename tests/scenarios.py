@@ -44,7 +44,7 @@ def _build(args: argparse.Namespace) -> ManagedParallelEnv:
         args.workers,
         fn,
         daemon_workers=False,
-        mp_start_method=None if args.method == "preloaded" else args.method,
+        mp_start_method=None if args.method in ("preloaded", "interpreter") else args.method,
         shutdown_timeout=args.shutdown_timeout,
         max_restarts=args.max_restarts,
     )
@@ -90,6 +90,8 @@ def main() -> int:
     parser.add_argument("--exit-with-parent", choices=("on", "off"), default="on")
     parser.add_argument("--preload", default=None, help="a module the preloaded fork server imports")
     args = parser.parse_args()
+    if args.method == "interpreter":  # the preloaded server as a new interpreter, not a zygote
+        os.environ["TORCHRL_EXT_ZYGOTE"] = "0"
     # As in a program started from a terminal, whatever started the test run (nohup, a shell's
     # background job ignores SIGINT): the signal scenarios send these.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -202,7 +204,12 @@ def main() -> int:
         from torchrl_ext import _forkserver
 
         server = _forkserver.server_key()  # the preloaded fork server, if this env uses one
-        _ready(args.ready, workers=ENV.worker_pids, server=None if server is None else server[0])
+        _ready(
+            args.ready,
+            workers=ENV.worker_pids,
+            server=None if server is None else server[0],
+            server_kind=_forkserver.server_kind()[0],
+        )
         while True:
             ENV.rollout(50, break_when_any_done=False)
     raise SystemExit(f"unknown scenario {args.name}")

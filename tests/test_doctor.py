@@ -31,8 +31,10 @@ NAMES = [
     "ulimit -n",
     "start method",
     "preloaded start",
+    "fork server",
     "TorchRL",
     "torch",
+    "step path",
     "Ray",
 ]
 STATUSES = ("ok", "degraded", "missing")
@@ -125,6 +127,17 @@ def test_torchrl_check_detects_tested_versions_by_features() -> None:
     version = _doctor._distribution_version("torchrl") or _doctor._distribution_version("torchrl-nightly")
     if version in _compat.TESTED_TORCHRL:  # a tested build, 0.15's stand-in nightly included
         assert checks["TorchRL"].status == "ok", checks["TorchRL"]
+
+
+@pytest.mark.compat
+def test_the_step_path_check_names_the_path_this_torchrl_allows() -> None:
+    checks = {c.name: c for c in _doctor.run_checks(orphan_test=False)}
+    check = checks["step path"]
+    assert check.ok
+    if _compat.HAS_DAEMON_KWARG:  # TorchRL >= 0.11: shared done flags, our path can serve
+        assert check.detail.startswith("ours for envs with shared buffers"), check
+    else:
+        assert check.detail.startswith("TorchRL's for every env"), check
 
 
 def test_cli_exit_code_follows_the_checks(
@@ -434,3 +447,15 @@ def test_platform_checks_start_no_process() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     if sys.platform.startswith("linux"):
         assert proc.stdout.startswith("[True, True,"), proc.stdout  # prctl was found all the same
+
+
+def test_fork_server_check_names_the_kind_and_the_reason() -> None:
+    """NOTE [zygote]: the doctor says how this process's server starts, or started, and why
+    it is not a zygote."""
+    assert "zygote" in _doctor.check_fork_server(None, (None, None)).detail
+    check = _doctor.check_fork_server("1 other Python thread(s) run (t)", (None, None))
+    assert "new interpreter" in check.detail and "1 other Python thread(s) run (t)" in check.detail
+    assert "start_fork_server()" in check.hint
+    assert "zygote" in _doctor.check_fork_server("x", ("zygote", None)).detail
+    check = _doctor.check_fork_server(None, ("interpreter", "CUDA is initialised in this process"))
+    assert "CUDA is initialised" in check.detail and check.status == "ok"

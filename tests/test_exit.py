@@ -68,8 +68,10 @@ def _reaper_killed(stderr: str) -> set[int] | None:
         pytest.param("sys_exit", 3, None, "fork", marks=COMPAT),
         # TorchRL's default start method too (a child interpreter per case: one case only).
         ("exit_without_close", 0, None, "spawn"),
-        # The default path: the exit hook closes the env, then stops the preloaded server.
+        # The default path: the exit hook closes the env, then stops the preloaded server (a
+        # fork of the main process here, and, with TORCHRL_EXT_ZYGOTE=0, a new interpreter).
         ("exit_without_close", 0, None, "preloaded"),
+        ("exit_without_close", 0, None, "interpreter"),
     ],
 )
 def test_interpreter_exit_closes_open_envs(
@@ -170,6 +172,7 @@ def test_user_sigterm_handler_still_called(scenario: Scenario) -> None:
         ("forkserver", "sleep"),
         ("spawn", "sleep"),
         ("preloaded", "sleep"),
+        ("interpreter", "sleep"),
         ("fork", "gil"),
         ("fork", "portable"),
     ],
@@ -198,6 +201,8 @@ def test_sigkill_of_main_mid_long_step_leaves_nothing(
         env_vars=env_vars,
     )
     ready = scenario.wait_ready(timeout=240)
+    # NOTE [zygote]: a single-threaded program's server is a fork of it.
+    assert ready["server_kind"] == {"preloaded": "zygote", "interpreter": "interpreter"}.get(method), ready
     # Kill the main process like the OOM killer would, once both workers are inside the step.
     wait_until(lambda: len(list(pid_dir.glob("stepping-*"))) >= 2, "both workers in the step", timeout=120)
     os.kill(ready["pid"], signal.SIGKILL)
@@ -247,7 +252,7 @@ def test_direct_children_killed_then_main_exits_leaves_nothing(scenario: Scenari
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("method", ["fork", "preloaded"])
+@pytest.mark.parametrize("method", ["fork", "preloaded", "interpreter"])
 def test_sigkill_of_main_while_dataloaders_start(scenario: Scenario, tmp_path: Path, method: str) -> None:
     """The main process is SIGKILLed in the middle of the workers' first reset: each worker has
     started its simulator and built its DataLoader iterator, whose 2 workers are inside their

@@ -160,14 +160,21 @@ def test_main_defined_factories_work_and_exit_is_quiet(scenario: Scenario) -> No
     assert not others, "the exit hook closed the env and stopped the fork server"
 
 
-def test_unguarded_script_gets_the_main_guard_hint(scenario: Scenario) -> None:
-    """The server imports a script's ``__main__`` once, as spawn imports it in every worker: a
-    script that builds an env at import fails at once with the fix, instead of recursing."""
-    scenario.start("preloaded", script=ROOT / "tests" / "unguarded_script.py", linger=5.0)
+@pytest.mark.parametrize("kind", ["interpreter", "zygote"])
+def test_unguarded_script_gets_the_main_guard_hint(scenario: Scenario, kind: str) -> None:
+    """The interpreter server imports a script's ``__main__`` once, as spawn imports it in every
+    worker: a script that builds an env at import fails at once with the fix, instead of
+    recursing. A zygote is a fork of the script's process (NOTE [zygote]): as under fork, it
+    imports nothing again, and the script runs."""
+    env_vars = {"TORCHRL_EXT_ZYGOTE": "0"} if kind == "interpreter" else None
+    scenario.start("preloaded", script=ROOT / "tests" / "unguarded_script.py", linger=5.0, env_vars=env_vars)
     result = scenario.finish(timeout=180)
+    assert not result.leaked
+    if kind == "zygote":
+        assert result.returncode == 0, result.stderr
+        return
     assert result.returncode == 1, result.stderr
     assert "PreloadError" in result.stderr and 'if __name__ == "__main__":' in result.stderr, result.stderr
-    assert not result.leaked
 
 
 # --------------------------------------------------------------------------- NOTE [authenticated server]

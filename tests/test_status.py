@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import child_env, kill_tree, start_kwargs
 from tests.envs import make_env
 from tests.polling import wait_until
-from torchrl_ext import ManagedParallelEnv
+from torchrl_ext import ManagedParallelEnv, _forkserver
 from torchrl_ext._status import as_json, read_envs
 
 
@@ -74,6 +74,12 @@ def test_status_lists_each_worker_with_its_tree_and_restarts(method: str) -> Non
         assert proc.returncode == 0 and _mine(json.loads(proc.stdout)), proc.stderr
         text = _status().stdout
         assert "RESTARTS" in text and all(str(pid) in text for pid in env.worker_pids), text
+        # NOTE [zygote]: the server's kind, next to its owner (none on the fork path).
+        kind, fallback = _forkserver.server_kind()
+        server = None if method == "fork" else kind if fallback is None else f"{kind} ({fallback})"
+        assert listed["server"] == server, listed
+        assert (f"[fork server: {server}]" in text) == (server is not None), text
+        assert env.stats().get("server_zygote") == (None if server is None else int(kind == "zygote"))
         victim = env.worker_pids[1]
         os.kill(victim, signal.SIGKILL)
         env.step(env.rand_action(td))

@@ -37,6 +37,7 @@ from ._errors import (
     WorkerStartTimeoutError,
     format_exitcode,
 )
+from ._plan import start_fork_server
 from ._policy import RestartRecord
 from ._report import SupervisionReport, WorkerOutcome
 
@@ -56,6 +57,7 @@ __all__ = [
     "WorkerStartTimeoutError",
     "__version__",
     "format_exitcode",
+    "start_fork_server",
 ]
 
 __version__ = "0.1.0"

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._compat import COMMANDS, NO_PIPE_ANSWER
+from ._step_path import STEP_AND_MAYBE_RESET, STEP_BYTES
 from ._wait import wait_for
 
 __all__ = ["ParentChannel", "RestartableChannel", "is_forwarded_call"]
@@ -37,7 +38,7 @@ class ParentChannel:
     def send(self, obj: Any) -> None:
         if isinstance(obj, tuple) and obj and isinstance(obj[0], str):
             self.last_command = obj[0]
-        self._conn.send(obj)
+        _send(self._conn, obj)
 
     def recv(self) -> Any:
         try:
@@ -50,6 +51,14 @@ class ParentChannel:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._conn, name)
+
+
+def _send(conn: Any, obj: Any) -> None:
+    """``conn.send(obj)``; the step path's message is pickled once (``_step_path``)."""
+    if obj is STEP_AND_MAYBE_RESET:
+        conn.send_bytes(STEP_BYTES)
+    else:
+        conn.send(obj)
 
 
 def is_forwarded_call(command: str | None) -> bool:
@@ -94,7 +103,7 @@ class RestartableChannel(ParentChannel):
             self.last_command = command if isinstance(command, str) else repr(command)
             self.last_message = obj
         try:
-            self._conn.send(obj)
+            _send(self._conn, obj)
         except (OSError, EOFError):
             return
         if command is not None and not (isinstance(command, str) and command in NO_PIPE_ANSWER):

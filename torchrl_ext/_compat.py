@@ -48,6 +48,7 @@ from torchrl.envs import ParallelEnv, batched_envs
 from ._errors import UnsupportedTorchRLError
 
 __all__ = [
+    "COLLECTOR_EXCLUDES",
     "COMMANDS",
     "HAS_DAEMON_KWARG",
     "HAS_SHUTDOWN_TIMEOUT_KWARG",
@@ -55,6 +56,7 @@ __all__ = [
     "INVENTORY",
     "NO_PIPE_ANSWER",
     "PER_START_KWARGS",
+    "STEP_MDP",
     "TESTED_RELEASES",
     "TESTED_TORCHRL",
     "UPSTREAM_DEFAULTS",
@@ -162,6 +164,10 @@ WORKER_KWARGS = {
     "pipe": PER_START_KWARGS[1],
     "factory": _declare("worker_kwarg", "env_fun", "the env factory; the worker keeps the env it builds"),
     "done_flags": _declare("worker_kwarg", "shm_done_flags", "wrapped to wake the sleeping parent", (0, 11)),
+    "worker_index": _declare("worker_kwarg", "worker_idx", "the worker's done flag (step path)", (0, 11)),
+    "shared_buffer": _declare("worker_kwarg", "shared_tensordict", "the slot's shared buffer (step path)"),
+    "reset_keys": _declare("worker_kwarg", "_selected_reset_keys", "what a reset writes (step path)"),
+    "non_tensor_keys": _declare("worker_kwarg", "_non_tensor_keys", "non-tensor specs: TorchRL's path"),
 }
 
 #: Commands TorchRL's worker loop answers through the shared buffers and done flags only (with
@@ -194,6 +200,16 @@ HOOKS = {
     )
 }
 
+
+#: TorchRL >= 0.14: the next keys a registered collector drops (the step path leaves such
+#: calls to TorchRL's own ``step_and_maybe_reset``).
+COLLECTOR_EXCLUDES = _declare(
+    "class", "_get_collector_next_keys_to_exclude", "a collector's dropped keys: TorchRL's step path", (0, 14)
+)
+
+#: ``EnvBase._step_mdp``: the root TorchRL's worker loop writes after a plain ``step`` (the
+#: step path's worker makes it the same way).
+STEP_MDP = _declare("class", "_step_mdp", "the worker's next root after a plain step (step path)")
 
 _PIPE_TIMEOUT = _module_name("_utils.BATCHED_PIPE_TIMEOUT", "TorchRL's wait bound before a start sets it")
 
@@ -237,6 +253,9 @@ class Upstream:
     owns_workers_flag: _Attr[bool | None] = _Attr(
         "_owns_workers", "False for a view, which must not close workers", (0, 14), kind="view"
     )
+    input_keys: _Attr[list[Any]] = _Attr("_env_input_keys", "the keys a step writes (step path)")
+    next_buffer: _Attr[Any] = _Attr("_shared_tensordict_parent_next", "the stacked next outputs (step path)")
+    root_buffer: _Attr[Any] = _Attr("_shared_tensordict_parent_root", "the stacked root outputs (step path)")
     batched_pipe_timeout: _Attr[float | None] = _Attr("BATCHED_PIPE_TIMEOUT", "the wait bound, kept by ours")
 
     def __init__(self, env: Any) -> None:

@@ -336,6 +336,34 @@ def check_preloaded_start(
     )
 
 
+def check_fork_server(unsafe: str | None, running: tuple[str | None, str | None]) -> Check:
+    """How the preloaded fork server starts from this process (informational: always ok):
+    as a fork of the main process (a zygote, a fraction of a second) when the process is
+    provably safe to fork at its first start, else as a new interpreter (seconds).
+
+    ``unsafe``: why this process is not safe to fork now (``None``: it is); ``running``: the
+    kind and fallback reason of a server this process already runs.
+
+    Example:
+        >>> check_fork_server(None, (None, None)).detail
+        'starts as a fork of the main process (zygote): this process is safe to fork now'
+    """
+    name = "fork server"
+    kind, fallback = running
+    if kind == "zygote":
+        return Check(name, "ok", "running as a fork of the main process (zygote)")
+    if kind == "interpreter":
+        return Check(name, "ok", f"running as a new interpreter: {fallback}", _EARLY_HINT)
+    if unsafe is None:
+        return Check(
+            name, "ok", "starts as a fork of the main process (zygote): this process is safe to fork now"
+        )
+    return Check(name, "ok", f"would start as a new interpreter here: {unsafe}", _EARLY_HINT)
+
+
+_EARLY_HINT = "call torchrl_ext.start_fork_server() before the program starts threads (docs/quickstart.md)"
+
+
 def _api_generation(has_daemon: bool, has_shutdown_timeout: bool) -> str:
     if has_shutdown_timeout:
         return "0.13+"
@@ -381,6 +409,24 @@ def check_torchrl(version: str | None, *, has_daemon: bool, has_shutdown_timeout
             hint,
         )
     return Check(name, "ok", f"{release} (tested; API of {api})")
+
+
+def check_step_path(has_done_flags: bool) -> Check:
+    """Which batched step path this TorchRL lets a managed env run (always ``ok``: TorchRL's
+    path is upstream's own; ``env.step_path`` says which one an env runs, and why).
+
+    Example:
+        >>> check_step_path(False).detail.split(":")[0]
+        "TorchRL's for every env"
+    """
+    if has_done_flags:
+        return Check(
+            "step path",
+            "ok",
+            "ours for envs with shared buffers (use_buffers) and tensor-only CPU specs, TorchRL's "
+            "for the others; env.step_path says which and why",
+        )
+    return Check("step path", "ok", "TorchRL's for every env: TorchRL < 0.11 answers through events")
 
 
 def check_torch(version: str) -> Check:
@@ -440,7 +486,7 @@ def run_checks(*, orphan_test: bool = True, orphan_timeout: float = 5.0) -> list
     import torch
 
     from . import _compat
-    from ._forkserver import start_method_chosen_by_user
+    from ._forkserver import server_kind, start_method_chosen_by_user
 
     probe = _probes.probe_orphan_reaping(orphan_timeout) if orphan_test else None
     _log.debug("orphan probe: %s", probe)
@@ -466,12 +512,14 @@ def run_checks(*, orphan_test: bool = True, orphan_timeout: float = 5.0) -> list
             ),
             daemonic_default=bool(_compat.UPSTREAM_DEFAULTS["daemon"]),
         ),
+        check_fork_server(_platform.fork_unsafe_reason(), server_kind()),
         check_torchrl(
             torchrl_version,
             has_daemon=_compat.HAS_DAEMON_KWARG,
             has_shutdown_timeout=_compat.HAS_SHUTDOWN_TIMEOUT_KWARG,
         ),
         check_torch(str(torch.__version__)),
+        check_step_path(_compat.HAS_DAEMON_KWARG),
         check_ray(importlib.util.find_spec("ray") is not None, os.environ),
     ]
 

@@ -33,6 +33,8 @@ from ._policy import DEFAULT_RESTART_BACKOFF, RestartRecord
 from ._report import SupervisionReport
 from ._start import EnvState, start_workers, stop_workers
 from ._stats import RESET, STEP, STEP_AND_MAYBE_RESET, StatsView, snapshot, stats_view
+from ._step_path import StepPath
+from ._step_path import step_and_maybe_reset as managed_step_and_maybe_reset
 
 __all__ = ["DEFAULT_SHUTDOWN_TIMEOUT", "ManagedParallelEnv"]
 
@@ -190,6 +192,7 @@ class ManagedParallelEnv(ParallelEnv):
         check_supported()
         modules = preload_modules(options, create_env_fn, kwargs.get("mp_start_method"))
         self.__dict__["_managed_state"] = EnvState(options, modules)
+        self.__dict__["_managed_step_path"] = StepPath()
         if HAS_DAEMON_KWARG:
             kwargs["daemon"] = options.daemon_workers
         if HAS_SHUTDOWN_TIMEOUT_KWARG:
@@ -290,7 +293,7 @@ class ManagedParallelEnv(ParallelEnv):
         state = self._state
         supervisor = state.supervisor
         alive = supervisor.alive() if supervisor is not None else []
-        return snapshot(
+        out = snapshot(
             state.stats,
             num_workers=int(self.num_workers),
             alive=alive,
@@ -298,6 +301,13 @@ class ManagedParallelEnv(ParallelEnv):
             view=view,
             reset=reset,
         )
+        path: StepPath = self.__dict__["_managed_step_path"]
+        if view != "per_worker":
+            out["managed_step_path"] = int(path.plan is not None)
+            out["managed_steps"] = path.steps
+            if reset:
+                path.steps = 0
+        return out
 
     def _set_properties(self) -> None:
         super()._set_properties()
@@ -339,7 +349,34 @@ class ManagedParallelEnv(ParallelEnv):
         return _calls.measured(self, STEP, super()._step, tensordict)
 
     def step_and_maybe_reset(self, tensordict: Any) -> Any:
-        return _calls.measured(self, STEP_AND_MAYBE_RESET, super().step_and_maybe_reset, tensordict)
+        return _calls.measured(self, STEP_AND_MAYBE_RESET, self._managed_step_and_maybe_reset, tensordict)
+
+    def _managed_step_and_maybe_reset(self, tensordict: Any) -> Any:
+        if not Upstream(self).owns_workers:  # an indexed view: TorchRL's path
+            return super().step_and_maybe_reset(tensordict)
+        path: StepPath = self.__dict__["_managed_step_path"]
+        return managed_step_and_maybe_reset(self, path, tensordict, super().step_and_maybe_reset)
+
+    @property
+    def step_path(self) -> tuple[str, str]:
+        """Which path this env's batched steps take: ``("managed", why)`` (ours, see
+        docs/design.md, "The step path") or ``("torchrl", why)`` (TorchRL's, as upstream).
+
+        Example:
+            >>> from torchrl.envs import PendulumEnv
+            >>> env = ManagedParallelEnv(2, PendulumEnv, mp_start_method="fork")
+            >>> env.step_path
+            ('torchrl', 'not started yet')
+            >>> _ = env.reset(); env.step_path[0]
+            'managed'
+            >>> env.close()
+        """
+        path: StepPath = self.__dict__["_managed_step_path"]
+        if Upstream(self).owns_workers and Upstream(self).closed is False:
+            path.plan_for(self)
+        if path.reason is None:
+            return ("managed", "tensor-only CPU specs in shared buffers")
+        return ("torchrl", path.reason)
 
     def set_seed(self, seed: int | None = None, static_seed: bool = False) -> int | None:
         return _calls.seeded(self, functools.partial(super().set_seed, seed, static_seed))

@@ -12,6 +12,10 @@ warm process:
 
 * **Start** costs a fork, not an import. Workers end with ``os._exit`` (as every forked
   ``multiprocessing`` child does), so they close fast too.
+* **Zygote**: where the owner is provably safe to fork when the server starts (one thread,
+  CUDA not initialised: ``_platform.fork_unsafe_reason``), the server is a fork of the owner
+  instead of a new interpreter, and its own start costs a fork too (NOTE [zygote]); otherwise
+  one INFO line says why, and the server imports everything as above.
 * **Random state** is fresh in each direct child of the server, as a spawned process's would
   be: torch's default generator and numpy's legacy global state are reseeded from the OS at
   fork (``random`` reseeds itself). Forks made later *by* a worker keep fork semantics.
@@ -44,6 +48,7 @@ asking it for a child (:func:`request_fork`) and the context whose processes it 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import gc
@@ -86,6 +91,7 @@ __all__ = [
     "BASE_PRELOAD",
     "context",
     "server_key",
+    "server_kind",
     "start_method_chosen_by_user",
     "stop",
 ]
@@ -487,7 +493,7 @@ def _authenticate(conn: socket.socket, key: bytes) -> None:
         conn.settimeout(None)
 
 
-def _freeze_preloaded() -> None:
+def _freeze_preloaded(collect: bool = True) -> None:
     """NOTE [frozen preload]: move every object the preload left (torch's, TorchRL's, the
     user's modules') to the collector's permanent generation, after collecting the garbage.
 
@@ -498,8 +504,13 @@ def _freeze_preloaded() -> None:
     USS went from 12 to 93 MiB at once, its RSS unchanged, and ``recycle_memory`` recycled it.
     Frozen objects are never scanned in the server or in any worker (nor in their forks, which
     inherit the permanent generation); what a worker creates is collected as usual.
+
+    A zygote (NOTE [zygote]) freezes without collecting: a full collection of the owner's heap
+    takes 0.2 s with torch loaded, most of a zygote's start; what garbage it holds is frozen with
+    the rest, shared and never scanned.
     """
-    gc.collect()
+    if collect:
+        gc.collect()
     gc.freeze()
 
 
@@ -509,19 +520,26 @@ def serve(
     """Entry point of the server process (see NOTE [preloaded fork server]). ``setup_r``
     carries the modules to preload, the owner's spawn preparation data and the key
     connections must prove they know (NOTE [authenticated server]), pickled."""
-    global _server_pid
     if arm_pdeathsig and _platform.set_parent_death_signal(signal.SIGKILL) and os.getppid() != owner_pid:
         os._exit(1)  # the owner died before the signal was armed
-    _server_pid = os.getpid()
     with open(setup_r, "rb", closefd=True) as setup:
         modules, prep, key = pickle.load(setup)
+    _serve_preloaded(listener_fd, alive_r, status_w, key, functools.partial(_preload, modules, prep), True)
+
+
+def _serve_preloaded(
+    listener_fd: int, alive_r: int, status_w: int, key: bytes, preload: Callable[[], None], collect: bool
+) -> None:
+    """The server from its preload on: report it, freeze it, serve until the owner lets go."""
+    global _server_pid
+    _server_pid = os.getpid()
     try:
-        _preload(modules, prep)
+        preload()
     except _PreloadFailed as failed:
         message = {"module": failed.module, "traceback": failed.text}
         os.write(status_w, json.dumps(message).encode())
         os._exit(3)
-    _freeze_preloaded()
+    _freeze_preloaded(collect)
     os.register_at_fork(after_in_child=_fresh_random_state)
     os.write(status_w, b'{"ok": true}')
     os.close(status_w)
@@ -535,6 +553,118 @@ def serve(
         os._exit(0)
 
 
+# --------------------------------------------------------------------------- NOTE [zygote]
+# When the owner is provably safe to fork at its first start (``_platform.fork_unsafe_reason``),
+# the server is a fork of the owner (a zygote) rather than a new interpreter: it has everything
+# the owner imported, so its start costs a fork instead of an import of torch. From the fork on
+# it is the same server (the loop, the key, the tag in its own environment, its own process
+# group, the parent-death signal, the status report), after it dropped what it must not keep
+# from the owner (:func:`_become_zygote`).
+def _become_zygote(keep: Sequence[int], tag: Tag, owner_pid: int, arm_pdeathsig: bool) -> None:
+    """In the owner's fork that becomes the server: drop what belongs to the owner.
+
+    What a worker forked from it inherits, as from ``fork``: the owner's modules and memory as
+    they were at this moment (its ``__main__`` included: a factory defined there is found
+    without importing the script again; named ``__mp_main__`` as under spawn), its open files
+    and terminals, its environment (plus the server's tag), its working directory, ignored
+    signals and signal mask. What it does not inherit: the owner's exec-time
+    ``/proc/<pid>/environ`` (the server's tag shows there, as an interpreter server's does:
+    ``_platform.show_environment``), its Python signal handlers and wakeup fd (reset to the
+    defaults of a new interpreter), its exit handlers (``atexit``), ``multiprocessing``
+    finalizers and children, its threads (none ran: NOTE [fork-safe now]), every registry of
+    ours (``_lifecycle``'s envs, the reaper client, this module's own server: their fork
+    handlers clear them), its pipes, sockets and anonymous descriptors (pointed at
+    ``/dev/null``: ``_platform.neutralise_descriptors``) and its stdin (``/dev/null``, as a new
+    server has)."""
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    if arm_pdeathsig and _platform.set_parent_death_signal(signal.SIGKILL) and os.getppid() != owner_pid:
+        os._exit(1)  # the owner died before the signal was armed
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            handler = signal.getsignal(sig)
+            if sig == signal.SIGINT:
+                signal.signal(sig, signal.default_int_handler)
+            elif callable(handler):
+                signal.signal(sig, signal.SIG_DFL)
+    with contextlib.suppress(ValueError):
+        signal.set_wakeup_fd(-1)
+    atexit._clear()
+    multiprocessing.util._finalizer_registry.clear()  # type: ignore[attr-defined]
+    multiprocessing.process._children.clear()  # type: ignore[attr-defined]
+    tracker_fd = getattr(multiprocessing.resource_tracker._resource_tracker, "_fd", None)
+    _platform.neutralise_descriptors([*keep, *([tracker_fd] if isinstance(tracker_fd, int) else [])])
+    null = os.open(os.devnull, os.O_RDONLY)
+    if null != 0:  # 0 itself when the owner had closed its stdin
+        os.dup2(null, 0)
+        os.close(null)
+    _name_main_as_spawn()
+    os.environ[_identity.OWNER_VAR] = str(tag)
+    os.environ[_identity.WORKER_VAR] = TAG_SUFFIX
+    # Its tag where the tag scans read it, as an interpreter server carries it since its exec.
+    _platform.show_environment([_identity.OWNER_VAR, _identity.WORKER_VAR])
+
+
+def _name_main_as_spawn() -> None:
+    """The owner's main module, kept, under the name spawn gives the one it imports again in a
+    worker (``__mp_main__``, so ``__name__ != "__main__"`` there as under spawn), where spawn
+    would import it (a script, or a module run with ``-m``; not a package's ``__main__``)."""
+    prep = preparation_data("zygote")
+    name = prep.get("init_main_from_name")
+    if "init_main_from_path" not in prep and (
+        name is None or name == "__main__" or name.endswith(".__main__")
+    ):
+        return
+    main = sys.modules["__main__"]
+    main.__name__ = "__mp_main__"
+    sys.modules["__mp_main__"] = main
+
+
+def _import_all(modules: Sequence[str]) -> None:
+    """The zygote's preload: the modules the owner has not imported yet (``__main__`` it has)."""
+    for name in modules:
+        if name == "__main__":
+            continue
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:
+            raise _PreloadFailed(name, exc) from exc
+
+
+class _ForkedServer:
+    """The owner's handle on a zygote, its child: what ``subprocess.Popen`` offers for the
+    interpreter server (``pid``, ``returncode``, ``poll``, ``wait``, ``kill``)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # collected elsewhere
+                self.returncode = 255
+                return self.returncode
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (PRELOAD_TIMEOUT if timeout is None else timeout)
+        while not wait_for(lambda: self.poll() is not None, deadline, "the server exited"):
+            if timeout is not None:
+                raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout)
+            deadline = time.monotonic() + PRELOAD_TIMEOUT
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
 # --------------------------------------------------------------------------- in the owner
 class _Server:
     """The owner's side of the server: launched our way (tag, group, preload report, the key
@@ -543,8 +673,13 @@ class _Server:
     def __init__(self) -> None:
         self._server_lock = threading.RLock()
         self._wanted: list[str] = list(BASE_PRELOAD)
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | _ForkedServer | None = None
         self.key: _identity.ProcessKey | None = None
+        #: ``"zygote"`` (a fork of this process) or ``"interpreter"`` (a new one) while one
+        #: runs; written by ``_start_server``, cleared with the server.
+        self.kind: str | None = None
+        #: Why the running server is not a zygote (``_platform.fork_unsafe_reason``), if so.
+        self.fallback: str | None = None
         self.address: str | None = None
         self._alive_fd: int | None = None
         self._authkey: bytes | None = None
@@ -584,16 +719,19 @@ class _Server:
 
     def _start_server(self) -> None:
         modules = ["__main__", *self._wanted]
-        # What spawn would set up in a child before it runs the main module (argv, cwd, sys.path,
-        # the main module by path or by name); the server does the same before its preload.
-        prep = {k: v for k, v in preparation_data("ignore").items() if k not in ("name", "authkey")}
         owner_pid, owner_ctime = _identity.me()
         tag = Tag(owner_pid, owner_ctime, f"{owner_pid}.{TAG_SUFFIX}")
-        env = dict(os.environ)
-        env[_identity.OWNER_VAR] = str(tag)
-        env[_identity.WORKER_VAR] = TAG_SUFFIX
         arm = _platform.parent_death_outlives_worker(None)  # the server is this thread's child
         key = os.urandom(32)  # NOTE [authenticated server]: over the setup pipe only
+        # NOTE [zygote]: checked now, right before the fork it allows.
+        unsafe = _platform.fork_unsafe_reason()
+        if unsafe is not None:
+            log.info(
+                "the preloaded fork server starts as a new interpreter (seconds: it imports torch "
+                "again), not as a fork of this process: %s. Call torchrl_ext.start_fork_server() "
+                "before the program starts threads to pay it early.",
+                unsafe,
+            )
         with socket.socket(socket.AF_UNIX) as listener:
             address = new_unix_address()
             listener.bind(address)
@@ -602,30 +740,21 @@ class _Server:
             listener.listen()
             alive_r, alive_w = os.pipe()
             status_r, status_w = os.pipe()
-            setup_r, setup_w = os.pipe()
-            args = (listener.fileno(), alive_r, status_w, setup_r, owner_pid, arm)
-            code = f"from torchrl_ext._forkserver import serve; serve(*{args!r})"
-            exe = executable()
+            fds = (listener.fileno(), alive_r, status_w)
             try:
-                proc = subprocess.Popen(
-                    [exe, *interpreter_flags(), "-c", code],
-                    pass_fds=(listener.fileno(), alive_r, status_w, setup_r),
-                    stdin=subprocess.DEVNULL,
-                    env=env,
-                    process_group=0,
-                )
+                if unsafe is None:
+                    proc: subprocess.Popen[bytes] | _ForkedServer = self._fork(
+                        fds, alive_w, status_r, tag, owner_pid, arm, modules, key
+                    )
+                else:
+                    proc = self._launch(fds, tag, owner_pid, arm, modules, key)
             except BaseException:
                 os.close(alive_w)
                 os.close(status_r)
-                os.close(setup_w)
                 raise
             finally:
                 os.close(alive_r)
                 os.close(status_w)
-                os.close(setup_r)
-            # A server that dies before reading this is reported by _await_preload.
-            with contextlib.suppress(OSError), open(setup_w, "wb", closefd=True) as setup:
-                pickle.dump((modules, prep, key), setup)
         try:
             self._await_preload(proc, status_r, modules)
         except BaseException:
@@ -637,13 +766,84 @@ class _Server:
         finally:
             os.close(status_r)
         self._proc = proc
+        self.kind, self.fallback = ("zygote", None) if unsafe is None else ("interpreter", unsafe)
         self.key = (proc.pid, _identity.start_time(psutil.Process(proc.pid)))
         self.address, self._alive_fd, self._authkey = address, alive_w, key
         _reaper_client.add_helper(*self.key)  # it ends with this process: not a leftover then
-        log.debug("preloaded fork server pid %d ready (%s)", proc.pid, ", ".join(modules))
+        log.debug("preloaded fork server pid %d (%s) ready (%s)", proc.pid, self.kind, ", ".join(modules))
 
     @staticmethod
-    def _await_preload(proc: subprocess.Popen[bytes], status_r: int, modules: list[str]) -> None:
+    def _fork(
+        fds: tuple[int, int, int],
+        alive_w: int,
+        status_r: int,
+        tag: Tag,
+        owner_pid: int,
+        arm: bool,
+        modules: list[str],
+        key: bytes,
+    ) -> _ForkedServer:
+        """NOTE [zygote]: the server as a fork of this process."""
+        listener_fd, alive_r, status_w = fds
+        # What this process has buffered but not written would be written again by its forks.
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(alive_w)
+                os.close(status_r)
+                _become_zygote(fds, tag, owner_pid, arm)
+                _serve_preloaded(
+                    listener_fd, alive_r, status_w, key, functools.partial(_import_all, modules), False
+                )
+            except BaseException:  # the owner reports a server that exited before its report
+                traceback.print_exc()
+                sys.stderr.flush()
+            finally:
+                os._exit(1)
+        with contextlib.suppress(OSError):  # it leads its own group from here on, whoever runs first
+            os.setpgid(pid, pid)
+        return _ForkedServer(pid)
+
+    @staticmethod
+    def _launch(
+        fds: tuple[int, int, int], tag: Tag, owner_pid: int, arm: bool, modules: list[str], key: bytes
+    ) -> subprocess.Popen[bytes]:
+        """The server as a new interpreter that imports ``modules``."""
+        # What spawn would set up in a child before it runs the main module (argv, cwd, sys.path,
+        # the main module by path or by name); the server does the same before its preload.
+        prep = {k: v for k, v in preparation_data("ignore").items() if k not in ("name", "authkey")}
+        env = dict(os.environ)
+        env[_identity.OWNER_VAR] = str(tag)
+        env[_identity.WORKER_VAR] = TAG_SUFFIX
+        setup_r, setup_w = os.pipe()
+        args = (*fds, setup_r, owner_pid, arm)
+        code = f"from torchrl_ext._forkserver import serve; serve(*{args!r})"
+        try:
+            proc = subprocess.Popen(
+                [executable(), *interpreter_flags(), "-c", code],
+                pass_fds=(*fds, setup_r),
+                stdin=subprocess.DEVNULL,
+                env=env,
+                process_group=0,
+            )
+        except BaseException:
+            os.close(setup_w)
+            raise
+        finally:
+            os.close(setup_r)
+        # A server that dies before reading this is reported by _await_preload.
+        with contextlib.suppress(OSError), open(setup_w, "wb", closefd=True) as setup:
+            pickle.dump((modules, prep, key), setup)
+        return proc
+
+    @staticmethod
+    def _await_preload(
+        proc: subprocess.Popen[bytes] | _ForkedServer, status_r: int, modules: list[str]
+    ) -> None:
         chunks: list[bytes] = []
 
         def reported() -> bool:
@@ -707,7 +907,7 @@ class _Server:
             self._forget()  # closes our end of the "alive" pipe: the server exits when idle
             try:
                 proc.wait(wait)
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired:  # raised by both kinds of server
                 log.warning("the preloaded fork server (pid %d) did not exit; killing it", proc.pid)
                 with contextlib.suppress(OSError):
                     proc.kill()
@@ -717,6 +917,7 @@ class _Server:
         """A forked copy of the owner does not own the server."""
         self._proc = None
         self.key = None
+        self.kind = self.fallback = None
         self.address = self._alive_fd = self._authkey = None
 
 
@@ -752,6 +953,12 @@ def server_key() -> _identity.ProcessKey | None:
     """``(pid, create time)`` of this process's running server, if any."""
     key = _SERVER.key
     return key
+
+
+def server_kind() -> tuple[str | None, str | None]:
+    """The running server's kind (``"zygote"``, ``"interpreter"``, or ``None`` when none runs)
+    and, for an interpreter, why it is not a zygote (NOTE [zygote])."""
+    return _SERVER.kind, _SERVER.fallback
 
 
 def stop() -> None:

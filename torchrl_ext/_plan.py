@@ -26,6 +26,7 @@ __all__ = [
     "preload_refusal",
     "preloaded_context",
     "spec_reader",
+    "start_fork_server",
 ]
 
 _NOT_PRELOADED = ("__main__", _cpython.MAIN_IMPORTED_AS, "builtins")
@@ -86,6 +87,31 @@ def preloaded_context(modules: tuple[str, ...] | None) -> Any:
     return _forkserver.context(modules)
 
 
+def start_fork_server(*modules: str) -> str:
+    """Start the preloaded fork server now, the one every ``ManagedParallelEnv`` without
+    ``mp_start_method`` forks its workers from, and say how it started.
+
+    Call it at the top of the program, under ``if __name__ == "__main__":``, before anything
+    starts a thread: the server is then a fork of this process (``"zygote"``), which has
+    imported torch and TorchRL already, and the first env starts in a fraction of a second.
+    Where this process is not provably safe to fork (another thread runs, CUDA is initialised,
+    an OpenMP pool started), the server is a new interpreter that imports them again
+    (``"interpreter"``, seconds; the reason is logged and shown in ``stats()``, ``python -m
+    torchrl_ext status`` and ``doctor``). A server already running is kept. ``modules`` are
+    imported by the server too (as ``ManagedParallelEnv(preload=[...])``). It is stopped at
+    exit, after every env is closed.
+
+    Example:
+        >>> import torchrl_ext
+        >>> torchrl_ext.start_fork_server() in ("zygote", "interpreter")
+        True
+    """
+    preloaded_context(tuple(modules))
+    kind = _forkserver.server_kind()[0]
+    assert kind is not None  # the server runs: preloaded_context raised otherwise
+    return kind
+
+
 def child_start_method(options: Options, modules: tuple[str, ...] | None) -> str | None:
     """Default start method inside each worker (see ``child_start_method``)."""
     if options.child_start_method is not None:
@@ -124,6 +150,8 @@ class StartPlan:
     child_start_method: str | None
     owner: _identity.ProcessKey
     preload_modules: tuple[str, ...] | None
+    #: The preloaded server's kind and why it is not a zygote (``_forkserver.server_kind``).
+    server: tuple[str | None, str | None] = (None, None)
 
     @classmethod
     def make(
@@ -138,6 +166,7 @@ class StartPlan:
             child_start_method=child_start_method(options, modules),
             owner=_identity.me(),
             preload_modules=modules,
+            server=_forkserver.server_kind() if context is not None else (None, None),
         )
 
     @property

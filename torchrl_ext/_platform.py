@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import psutil
@@ -28,12 +28,15 @@ import psutil
 __all__ = [
     "IS_LINUX",
     "PORTABLE_VAR",
+    "ZYGOTE_VAR",
     "ProcessMemory",
+    "fork_unsafe_reason",
     "has_parent_death_signal",
     "has_pidfd",
     "has_prctl",
     "has_smaps_rollup",
     "kill_process_group",
+    "neutralise_descriptors",
     "new_process_group",
     "open_pidfd",
     "peek_exit_status",
@@ -43,6 +46,7 @@ __all__ = [
     "process_name",
     "set_child_subreaper",
     "set_parent_death_signal",
+    "show_environment",
     "signal_name",
     "spawn_passing_fds",
 ]
@@ -51,6 +55,10 @@ IS_LINUX = sys.platform.startswith("linux")
 
 #: Set to ``1`` to use only the portable code paths (no ``prctl``, no pidfd), as on macOS.
 PORTABLE_VAR = "TORCHRL_EXT_PORTABLE"
+
+#: Set to ``0`` to start the preloaded fork server as a new interpreter even where forking the
+#: main process would be safe (see :func:`fork_unsafe_reason`).
+ZYGOTE_VAR = "TORCHRL_EXT_ZYGOTE"
 
 _PR_SET_PDEATHSIG = 1
 _PR_GET_PDEATHSIG = 2
@@ -428,3 +436,131 @@ def spawn_passing_fds(
         restore_signals=False,
     )
     return int(proc.pid)
+
+
+# --------------------------------------------------------------------------- NOTE [fork-safe now]
+# Forking a process is safe when no other thread can hold a lock the child would inherit held
+# (malloc's, stdio's, the interpreter's, a library's) and no library keeps state a child cannot
+# use. We do not assume it: :func:`fork_unsafe_reason` checks, at the moment of the fork, that
+# the calling thread is the main one and the only Python thread, that CUDA is not initialised,
+# and that ``/proc/self/task`` lists one thread once OpenBLAS's pool is stopped (OpenBLAS stops
+# it itself at every fork, in a ``pthread_atfork`` handler, and restarts it at its next call;
+# numpy's import starts that pool). Any other native thread (an OpenMP or MKL pool a
+# parallel op started, a library's own thread) makes the answer "not safe".
+def fork_unsafe_reason() -> str | None:
+    """Why forking this process now is not provably safe; ``None`` when it is
+    (NOTE [fork-safe now]).
+
+    Example:
+        >>> reason = fork_unsafe_reason()
+        >>> reason is None or isinstance(reason, str)
+        True
+    """
+    if os.environ.get(ZYGOTE_VAR) == "0":
+        return f"{ZYGOTE_VAR}=0 is set"
+    if not IS_LINUX or not hasattr(os, "fork"):
+        return "this platform has no /proc/self/task to count threads with"
+    if threading.current_thread() is not threading.main_thread():
+        return "the start runs outside the main thread"
+    others = sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
+    if others:
+        return f"{len(others)} other Python thread(s) run ({', '.join(others)})"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA is initialised in this process"
+    _stop_openblas_pools()
+    try:
+        threads = len(os.listdir("/proc/self/task"))
+    except OSError as exc:
+        return f"this process's threads cannot be counted (/proc/self/task: {exc.strerror})"
+    if threads != 1:
+        return (
+            f"{threads - 1} native thread(s) run besides this one (an OpenMP or MKL thread pool "
+            "that a parallel op started, or a library's own thread)"
+        )
+    return None
+
+
+def _stop_openblas_pools() -> None:
+    """Stop the thread pool of every OpenBLAS this process loaded, as its own fork handler does
+    (it restarts at its next call)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
+    except OSError:
+        return
+    for path in sorted(paths):
+        shutdown = _openblas_shutdown(path)
+        if shutdown is not None:
+            shutdown()
+
+
+@functools.cache
+def _openblas_shutdown(path: str) -> Callable[[], object] | None:
+    try:
+        library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
+    except OSError:  # not a library (a deleted mapping, a data file)
+        return None
+    return getattr(library, "blas_thread_shutdown_", None)
+
+
+def neutralise_descriptors(keep: Sequence[int]) -> None:
+    """In a forked child: point every inherited pipe, socket and anonymous descriptor (epoll,
+    eventfd, pidfd...) other than ``keep`` and stdin/stdout/stderr at ``/dev/null``. Their other
+    ends see this process let go (EOF, a closed connection) as if it had closed them, and the
+    numbers stay taken: a Python object that still holds one never closes a later descriptor.
+    Files, terminals and directories stay shared, as after any fork."""
+    import stat
+
+    kept = {0, 1, 2, *keep}
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in fds:
+            if fd in kept or fd == null:
+                continue
+            try:
+                mode = os.fstat(fd).st_mode
+            except OSError:  # the listing's own descriptor, closed by now
+                continue
+            if stat.S_ISREG(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISDIR(mode):
+                continue
+            os.dup2(null, fd, inheritable=os.get_inheritable(fd))
+    finally:
+        os.close(null)
+
+
+def show_environment(first: Sequence[str]) -> bool:
+    """In a forked child that never execs: make ``/proc/<pid>/environ`` show this process's
+    ``os.environ`` (the variables named in ``first`` first), as an exec with it would.
+
+    ``/proc/<pid>/environ`` shows the memory between the ``env_start`` and ``env_end`` fields of
+    ``/proc/<pid>/stat``: the block of strings the last exec left. libc's ``environ`` is moved
+    to copies first (``clearenv``, then ``putenv`` of every variable), then the block is
+    overwritten, as long as it holds: a variable that no longer fits is left out of the view
+    (never out of the environment). Returns whether it was written (Linux only)."""
+    libc = _libc()
+    if libc is None or portable_only():
+        return False
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            stat = fh.read()
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        start, end = int(fields[47]), int(fields[48])  # fields 50 and 51: env_start, env_end
+    except (OSError, ValueError, IndexError):
+        return False
+    if end <= start:
+        return False
+    env = dict(os.environ)
+    if libc.clearenv() != 0:
+        return False
+    for key, value in env.items():
+        os.putenv(key, value)
+    order = [k for k in first if k in env] + [k for k in env if k not in first]
+    blob = b"".join(os.fsencode(f"{key}={env[key]}") + b"\0" for key in order)[: end - start]
+    kept = blob[: blob.rfind(b"\0") + 1]  # whole entries only
+    ctypes.memmove(start, kept + b"\0" * (end - start - len(kept)), end - start)
+    return True

@@ -165,6 +165,7 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
     if options.supervised_wait and not check_after:
         _check_restartable(upstream)
     plan = StartPlan.make(options, state.preload_modules, upstream.mp_start_method)
+    state.stats.server_kind, state.stats.server_fallback = plan.server
     tag = new_env_tag()
     label = f"ManagedParallelEnv[{tag.env_id}]"
     fifo = _reaper_client.acquire()

@@ -368,6 +368,16 @@ class EnvStats:
     #: torchrl_ext status`` reads this env (in the start's report directory).
     label: str = ""
     status_path: str | None = None
+    #: The preloaded server the last start forked its workers from: ``"zygote"`` or
+    #: ``"interpreter"`` (``None``: no server), and why not a zygote; set by each start.
+    server_kind: str | None = None
+    server_fallback: str | None = None
+
+    def server_text(self) -> str | None:
+        """The server as ``status`` shows it (``"interpreter (<why>)"``), if any."""
+        if self.server_kind is None or self.server_fallback is None:
+            return self.server_kind
+        return f"{self.server_kind} ({self.server_fallback})"
 
     def bind(self, label: str, status_path: str) -> None:
         self.label, self.status_path = label, status_path
@@ -383,7 +393,8 @@ class EnvStats:
             for w in workers
         ]
         last = self.calls.step_latency.last()
-        publish(self.status_path, self.label, owner, rows, None if last is None else 1e3 * last)
+        last_ms = None if last is None else 1e3 * last
+        publish(self.status_path, self.label, owner, rows, last_ms, server=self.server_text())
 
 
 #: What ``stats(workers=...)`` returns, named as TorchRL's multi-process collectors name it:
@@ -447,6 +458,8 @@ def snapshot(
         lost = [r for r in restarts if not r.recycled]
         samples = {slot: s for slot, s in stats.sampler.samples.items() if slot < len(alive) and alive[slot]}
         out: dict[str, float | int] = {"workers": num_workers, "workers_alive": sum(alive)}
+        if stats.server_kind is not None:  # 1: forks of a zygote; 0: of a new interpreter
+            out["server_zygote"] = int(stats.server_kind == "zygote")
         if view != "per_worker":
             out.update(_aggregate(stats, restarts, lost, samples))
         if view != "aggregate":

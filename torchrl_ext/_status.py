@@ -41,8 +41,10 @@ def publish(
     owner: tuple[int, float],
     workers: Sequence[tuple[int, int, float, int]],
     last_step_ms: float | None,
+    server: str | None = None,
 ) -> None:
-    """Write ``path`` (atomically): ``workers`` are ``(slot, pid, create_time, restarts)``."""
+    """Write ``path`` (atomically): ``workers`` are ``(slot, pid, create_time, restarts)``;
+    ``server`` is the preloaded server's kind (and why not a zygote), if the env uses one."""
     data = {
         "label": label,
         "owner_pid": owner[0],
@@ -50,6 +52,7 @@ def publish(
         "workers": [list(w) for w in workers],
         "last_step_ms": last_step_ms,
         "updated": time.time(),
+        "server": server,
     }
     tmp = f"{path}.{os.getpid()}.tmp"
     with contextlib.suppress(OSError):
@@ -87,6 +90,9 @@ class EnvStatus:
     #: Seconds since the env last published (about 1 s while it runs).
     age_s: float
     workers: tuple[WorkerStatus, ...]
+    #: The preloaded server the workers are forks of: ``"zygote"``, ``"interpreter (<why>)"``,
+    #: or ``None`` (no server).
+    server: str | None = None
 
 
 def _load(path: str) -> dict[str, Any] | None:
@@ -140,6 +146,7 @@ def read_envs(base: str | None = None, cpu_interval: float = 0.2) -> list[EnvSta
                 last_step_ms=data.get("last_step_ms"),
                 age_s=max(0.0, time.time() - float(data["updated"])),
                 workers=tuple(workers),
+                server=data.get("server"),
             )
         )
     return envs
@@ -212,7 +219,10 @@ def format_table(envs: Sequence[EnvStatus]) -> str:
     lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows
     ]
-    commands = [f"{env.owner_pid}: {env.command}" for env in envs]
+    commands = [
+        f"{env.owner_pid}: {env.command}" + ("" if env.server is None else f"  [fork server: {env.server}]")
+        for env in envs
+    ]
     return "\n".join([*lines, "", "owners:", *dict.fromkeys(commands)]) + "\n"
 
 

@@ -24,11 +24,13 @@ import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from . import _cpython, _identity, _platform, _reaper_client, _stacks
 from ._done_signal import NotifyingFlags
 from ._errors import DaemonicWorkerError
+from ._step_path import STEP_BYTES, WorkerPlan, worker_reason
 from ._wire import write_report
 
 __all__ = ["WorkerConfig", "exit_now", "prepare_process", "run_managed"]
@@ -75,6 +77,8 @@ class _CommandRecorder:
         #: The env TorchRL's loop built in this worker, weakly (:meth:`keep`): the loop's
         #: ``del env`` at close must still drop the last reference.
         self._env: Callable[[], Any] = lambda: None
+        #: The worker's own step path (``_step_path``), or ``None``: TorchRL's loop answers all.
+        self.plan: WorkerPlan | None = None
         # Bound once: the worker loop polls before every command (no __getattr__ per step).
         self.poll = conn.poll
         self.send: Callable[[Any], None] = self._first_send
@@ -88,18 +92,33 @@ class _CommandRecorder:
         self._conn.send(obj)
 
     def recv(self) -> Any:
+        plan = self.plan
         while True:
             try:
-                msg = self._conn.recv()
+                raw = self._conn.recv_bytes()
             except EOFError:
                 self.saw_eof = True
                 raise
+            if plan is not None and plan.ready and raw == STEP_BYTES:  # the hot path
+                self.last_command = "step_and_maybe_reset"
+                plan.step_and_maybe_reset()
+                continue
+            msg = ForkingPickler.loads(raw)
             if isinstance(msg, tuple) and msg and isinstance(msg[0], str):
                 if msg[0] == PREPARE_RESET:  # ours: answered here, the loop waits for the next
                     self._conn.send((PREPARE_RESET, _PreparedReset.prepare(self._env())))
                     continue
                 self.last_command = msg[0]
+                if plan is not None:
+                    if plan.ready and len(msg) == 2 and plan.handle(msg[0], msg[1]):
+                        continue
+                    if msg[0] == "init":  # TorchRL's loop builds its views too, on return
+                        plan.init()
             return msg
+
+    def kept_env(self) -> Any:
+        """The env TorchRL's loop built here (``None`` before it exists)."""
+        return self._env()
 
     def keep(self, env: Any) -> None:
         """Remember ``env`` (weakly) for a prepared reset."""
@@ -256,6 +275,21 @@ def prepare_process(config: WorkerConfig) -> None:
         _cpython.set_daemon_in_config(current, False)
 
 
+def _plan_steps(recorder: _CommandRecorder, kwargs: dict[str, Any]) -> None:
+    """Give the recorder this worker's own step path where it can serve (``_step_path``)."""
+    from ._compat import WORKER_KWARGS  # _compat imports this module
+
+    shared = kwargs.get(WORKER_KWARGS["shared_buffer"])
+    flags = kwargs.get(WORKER_KWARGS["done_flags"])
+    index = kwargs.get(WORKER_KWARGS["worker_index"])
+    reason = worker_reason(shared, kwargs.get(WORKER_KWARGS["non_tensor_keys"]), flags, index)
+    if reason is not None or index is None:
+        log.debug("worker %s steps through TorchRL's loop: %s", index, reason)
+        return
+    env = recorder.kept_env
+    recorder.plan = WorkerPlan(env, shared, kwargs.get(WORKER_KWARGS["reset_keys"]), flags, int(index))
+
+
 def end_own_descendants() -> None:
     """TERM, wait, KILL and reap every descendant of this process."""
     children = _identity.descendants(os.getpid())
@@ -284,6 +318,7 @@ def run_managed(original: Callable[..., Any], config: WorkerConfig, kwargs: dict
         kwargs[factory_key] = _KeepsEnv(factory, recorder)
     if kwargs.get(flags_key) is not None:
         kwargs[flags_key] = _FlagsKeptAtClose(kwargs[flags_key], recorder)
+    _plan_steps(recorder, kwargs)
     if getattr(batched_envs, GC_NAME, None) is gc:  # this process runs only this worker's loop
         setattr(batched_envs, GC_NAME, _GCSkippedAfterClose(recorder))
     try:

@@ -258,3 +258,61 @@ def make_thread_checking_env(main_pid: int, num_sub_threads: int, **kwargs: Any)
             f"{torch.get_num_threads()} torch threads, not num_sub_threads={num_sub_threads}"
         )
     return CountingEnv(**kwargs)
+
+
+class DtypesEnv(EnvBase):
+    """An env whose outputs span dtypes and nesting, for the step path's copies: a float32
+    observation, a uint8 frame, a nested float64 position and int32 counter, a bool flag;
+    driven by the action and its own seeded generator; episodes of ``max_steps``."""
+
+    def __init__(self, max_steps: int = 3, **kwargs: Any) -> None:
+        super().__init__(batch_size=torch.Size([]), **kwargs)
+        self.max_steps = int(max_steps)
+        self._gen = torch.Generator().manual_seed(0)
+        self._t = 0
+        self.observation_spec = Composite(
+            observation=Unbounded(shape=(OBS,)),
+            frame=Bounded(0, 255, shape=(2, 4, 4), dtype=torch.uint8),
+            flag=Unbounded(shape=(1,), dtype=torch.bool),
+            agent=Composite(
+                pos=Unbounded(shape=(2,), dtype=torch.float64),
+                count=Unbounded(shape=(1,), dtype=torch.int32),
+            ),
+        )
+        self.action_spec = Bounded(-1.0, 1.0, shape=(2,))
+        self.reward_spec = Unbounded(shape=(1,))
+
+    def _obs(self, action: torch.Tensor) -> dict[str, Any]:
+        noise = torch.rand(OBS, generator=self._gen)
+        frame = torch.randint(0, 256, (2, 4, 4), generator=self._gen, dtype=torch.uint8)
+        return {
+            "observation": noise + action.sum(),
+            "frame": frame,
+            "flag": torch.tensor([self._t % 2 == 1]),
+            "agent": {
+                "pos": action.to(torch.float64) * self._t,
+                "count": torch.tensor([self._t], dtype=torch.int32),
+            },
+        }
+
+    def _reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
+        self._t = 0
+        done = torch.zeros(1, dtype=torch.bool)
+        obs = self._obs(torch.zeros(2))
+        return TensorDict({**obs, "done": done, "terminated": done.clone()}, batch_size=[])
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        self._t += 1
+        action = tensordict.get("action")
+        done = torch.tensor([self._t >= self.max_steps])
+        reward = action.sum().reshape(1)
+        return TensorDict(
+            {**self._obs(action), "reward": reward, "done": done, "terminated": done.clone()}, batch_size=[]
+        )
+
+    def _set_seed(self, seed: int | None) -> None:
+        self._gen.manual_seed(int(seed or 0))
+
+
+def make_dtypes_env(**kwargs: Any) -> DtypesEnv:
+    return DtypesEnv(**kwargs)

@@ -1,0 +1,79 @@
+"""Contract: the managed step path (``_step_path``) gives upstream's outputs bit for bit.
+
+The same scenario runs on upstream ``ParallelEnv`` and on ``ManagedParallelEnv`` (see
+``helpers.py``): the collector's ``step_and_maybe_reset`` loop with uneven episodes (workers
+reset inside the step, at different times), partial steps (a ``_step`` mask), plain steps,
+partial resets, on an env whose outputs span float32, float64, uint8, int32 and bool leaves,
+nested keys included. Every key, dtype, shape and value is compared, and the key order too.
+On TorchRL >= 0.11 the managed env must really have run its own path (``step_path``); on 0.10
+(``compat``) the same scenario proves TorchRL's path, which it runs there, unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import START_METHODS
+from tests.contract.envs import make_dtypes_env
+from tests.contract.helpers import HAS_DAEMON, Record, Variant, assert_same_as_upstream, closing, run_variants
+from torchrl_ext import ManagedParallelEnv
+
+pytestmark = [pytest.mark.timeout(240)]
+
+UNEVEN = [{"max_steps": 3}, {"max_steps": 5}]
+#: TorchRL >= 0.11 (shared done flags): the managed env runs its own step path.
+MANAGED_PATH = HAS_DAEMON
+
+
+def _keys(td: Any) -> list[str]:
+    return [str(k) for k in td.keys(True, True)]
+
+
+def _loop(env: Any, rec: Record, paths: list[Any]) -> None:
+    env.set_seed(3)
+    torch.manual_seed(0)
+    root = rec("reset", env.reset)
+    for i in range(9):
+        data, root = env.step_and_maybe_reset(env.rand_action(root))
+        rec.value(f"step {i}", (data, root))
+        rec.value(f"step {i} keys", (_keys(data), _keys(root)))
+        rec.value(f"step {i} devices", (str(data.device), str(root.device), str(data["next"].device)))
+    paths.append(env.step_path if isinstance(env, ManagedParallelEnv) else None)
+    # a partial step: worker 1 only (TorchRL's path on both sides of the parent)
+    partial = env.rand_action(root).set("_step", torch.tensor([False, True]))
+    data, root = env.step_and_maybe_reset(partial)
+    rec.value("partial step", (data, root))
+    # back on the full step after it
+    data, root = env.step_and_maybe_reset(env.rand_action(root.exclude("_step")))
+    rec.value("step after the partial step", (data, root))
+    rec("plain step", lambda: env.rand_step(root.clone()))
+    rec("partial reset", lambda: env.reset(root.clone().set("_reset", torch.tensor([[True], [False]]))))
+    rec("rollout", lambda: env.rollout(7, break_when_any_done=False))
+
+
+@pytest.mark.parametrize("mp_start_method", ["default", *START_METHODS])
+@pytest.mark.compat
+def test_step_path_outputs_are_upstreams(mp_start_method: str) -> None:
+    paths: list[Any] = []
+
+    def scenario(variant: Variant, rec: Record) -> None:
+        env = variant(
+            2, functools.partial(make_dtypes_env), create_env_kwargs=UNEVEN, mp_start_method=mp_start_method
+        )
+        with closing(env):
+            _loop(env, rec, paths)
+
+    records = run_variants(scenario)
+    assert_same_as_upstream(records)
+    upstream_path, managed_path = paths
+    assert upstream_path is None
+    if managed_path is None:  # TORCHRL_EXT_CONTRACT_REFERENCE: upstream against itself
+        return
+    if MANAGED_PATH:
+        assert managed_path == ("managed", "tensor-only CPU specs in shared buffers")
+    else:
+        assert managed_path[0] == "torchrl"
