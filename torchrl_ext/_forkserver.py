@@ -616,8 +616,8 @@ def _name_main_as_spawn() -> None:
     ):
         return
     main = sys.modules["__main__"]
-    main.__name__ = "__mp_main__"
-    sys.modules["__mp_main__"] = main
+    main.__name__ = _cpython.MAIN_IMPORTED_AS
+    sys.modules[_cpython.MAIN_IMPORTED_AS] = main
 
 
 def _import_all(modules: Sequence[str]) -> None:
