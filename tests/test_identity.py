@@ -12,16 +12,9 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
+from tests.test_close import _STRANGER  # leads its own group, one child in it
 from torchrl_ext import _identity
 from torchrl_ext._identity import same_process, start_time, tree
-
-#: Leads a session of its own (its group id is its pid) with one child in that group.
-_STRANGER = (
-    "import subprocess, sys, time\n"
-    "helper = subprocess.Popen([sys.executable, '-c', 'import time\\nwhile True: time.sleep(1)'])\n"
-    "print(helper.pid, flush=True)\n"
-    "while True: time.sleep(1)\n"
-)
 
 
 @pytest.fixture
