@@ -14,12 +14,15 @@ from typing import Any
 
 import pytest
 import torch
+from tensordict import TensorDict
 
 from tests.envs import make_env
 from tests.polling import wait_until
 from torchrl_ext import ManagedParallelEnv, WorkerDiedError, _done_signal
 from torchrl_ext._compat import HAS_DAEMON_KWARG
-from torchrl_ext._done_signal import Answers, DoneSignal, NotifyingFlags
+from torchrl_ext._done_signal import DEFAULT_SPIN, Answers, DoneSignal, NotifyingFlags, SpinRate
+from torchrl_ext._options import Options
+from torchrl_ext._step_path import WorkerPlan
 
 # TorchRL 0.10 has no shared done flags: its own event-based wait is kept there.
 needs_shared_flags = pytest.mark.skipif(not HAS_DAEMON_KWARG, reason="TorchRL < 0.11 has no shared flags")
@@ -245,6 +248,69 @@ def test_rollouts_are_correct_with_every_wait(spin_wait: float | None) -> None:
         assert torch.equal(td["next", "done"][:, 4].flatten(), torch.tensor([True, True]))
     finally:
         env.close()
+
+
+def test_spinning_stops_once_it_stops_paying_and_a_probe_brings_it_back() -> None:
+    rate = SpinRate()
+    assert rate.worth_trying() and rate.steady()
+    while rate.hits >= 0.5:  # misses: spinning stops paying
+        rate.record(False)
+    skipped = 0
+    while not rate.worth_trying():
+        skipped += 1
+    assert skipped == _done_signal._PROBE_EVERY  # then one probe, counted like any wait
+    rate.record(True)  # the probe saw its answer: spinning pays again
+    assert rate.worth_trying() and not rate.steady()
+
+
+class Pipe:
+    """A command pipe's ``poll``: the next command arrives after ``after`` polls."""
+
+    def __init__(self, after: int | None) -> None:
+        self.after = after
+        self.polls = 0
+
+    def poll(self, timeout: float) -> bool:
+        assert timeout == 0  # a spin never blocks
+        self.polls += 1
+        return self.after is not None and self.polls > self.after
+
+
+def _plan(spin: float) -> WorkerPlan:
+    return WorkerPlan(lambda: None, TensorDict(), None, [0], 0, spin)
+
+
+def test_a_worker_spins_for_its_next_command_until_it_arrives() -> None:
+    plan, pipe = _plan(spin=3600.0), Pipe(after=5)
+    plan.await_command(pipe.poll)
+    assert pipe.polls == 6
+
+
+def test_a_worker_spins_no_longer_than_its_limit_then_stops_while_that_misses() -> None:
+    plan, pipe = _plan(spin=1e-4), Pipe(after=None)
+    misses = 0
+    while True:
+        before = pipe.polls
+        plan.await_command(pipe.poll)  # returns: the caller then sleeps on the pipe
+        if pipe.polls == before:
+            break
+        misses += 1
+    assert misses == 7  # the hit rate fell below one half: waits sleep from now on
+    for _ in range(_done_signal._PROBE_EVERY - 1):  # the wait that broke the loop was one
+        plan.await_command(pipe.poll)
+    assert pipe.polls == before  # until the probe
+    plan.await_command(pipe.poll)
+    assert pipe.polls > before
+
+
+@pytest.mark.parametrize(
+    ("spin_wait", "expected"), [(None, DEFAULT_SPIN), (0.0, 0.0), (1e-3, 1e-3), (float("inf"), 0.0)]
+)
+def test_workers_spin_for_commands_as_spin_wait_says(spin_wait: float | None, expected: float) -> None:
+    assert Options.validated(spin_wait=spin_wait).command_spin == expected
+    pipe = Pipe(after=None)
+    _plan(spin=Options.validated(spin_wait=spin_wait).command_spin).await_command(pipe.poll)
+    assert (pipe.polls > 0) == (expected > 0)
 
 
 def test_spin_wait_is_validated() -> None:

@@ -12,10 +12,17 @@ FIFO; the main process sleeps on the FIFO (:meth:`DoneSignal.wait_for`).
 Waking a sleeping process costs tens of microseconds, which matters only when the workers
 answer within a few hundred: the main process therefore spins first, up to ``spin`` seconds,
 as long as spinning pays (most recent spins saw the result arrive), and otherwise only once
-every ``_PROBE_EVERY`` waits. Where a core is left over, long steps are slept through until
-shortly before they usually end (a moving average of the waits) and spun over the end. The
-supervisor writes into the same FIFO when a worker dies, so a sleeping main process wakes to
-raise the error.
+every ``_PROBE_EVERY`` waits (:class:`SpinRate`). Where a core is left over, long steps are
+slept through until shortly before they usually end (a moving average of the waits) and spun
+over the end. The supervisor writes into the same FIFO when a worker dies, so a sleeping main
+process wakes to raise the error.
+
+Every spin yields its core every few passes (``sched_yield``): with more busy processes than
+cores (two workers and the main process on two cores), a spinning process would otherwise
+hold a core the very worker it waits for is queued for, until the scheduler's next tick.
+Where nobody waits for the core, the yield returns at once. The workers of the managed step
+path spin the same way for their next command (``_step_path.WorkerPlan.await_command``),
+under the same rate rule.
 
 Ordering: the main process marks itself asleep, drains the FIFO, re-reads the flags, then
 sleeps; a worker sets its flag, then reads the mark, then writes. A flag that the re-read
@@ -43,6 +50,7 @@ __all__ = [
     "DoneSignal",
     "NotifyingFlags",
     "Outcome",
+    "SpinRate",
     "has_spare_core",
     "timeout_error",
 ]
@@ -68,6 +76,8 @@ _STEADY = 0.8
 _LATE_FACTOR = 3.0
 #: How late a timed sleep may end (Linux's default timer slack).
 _TIMER_SLACK = 5e-5
+#: A spin on the flags yields its core once every this many passes (a power of two).
+_YIELD_EVERY = 8
 
 
 def timeout_error(timeout: float) -> RuntimeError:
@@ -85,6 +95,46 @@ def has_spare_core(num_workers: int) -> bool:
     return cpus > num_workers + 1
 
 
+class SpinRate:
+    """Whether spinning pays for one kind of wait: a moving average of how often a spin saw
+    what it waited for arrive within its limit.
+
+    Spin while most recent spins did (a hit rate of at least one half), and otherwise once
+    every ``_PROBE_EVERY`` waits, to notice when it pays again.
+
+    Example:
+        >>> rate = SpinRate()
+        >>> for _ in range(40):
+        ...     rate.record(False)
+        >>> rate.worth_trying(), rate.steady()
+        (False, False)
+    """
+
+    __slots__ = ("_waits_since_spin", "hits")
+
+    def __init__(self) -> None:
+        #: Moving average of spins that saw their answer (1: always); written by :meth:`record`.
+        self.hits = 1.0
+        #: Waits that did not spin since the last spin; written by :meth:`worth_trying`.
+        self._waits_since_spin = 0
+
+    def worth_trying(self) -> bool:
+        """Whether this wait spins first (counted: call it once per wait)."""
+        if self.hits >= 0.5 or self._waits_since_spin >= _PROBE_EVERY:
+            self._waits_since_spin = 0
+            return True
+        self._waits_since_spin += 1
+        return False
+
+    def steady(self) -> bool:
+        """Whether nearly every recent spin was a hit (a miss is then a scheduling hiccup)."""
+        return self.hits >= _STEADY
+
+    def record(self, hit: bool) -> None:
+        """Count one spin: ``hit`` if what it waited for came within its limit."""
+        self.hits += _ALPHA * (float(hit) - self.hits)
+
+
 class DoneSignal:
     """The main process's end of the wake-up FIFO of one env start."""
 
@@ -96,11 +146,10 @@ class DoneSignal:
         # Read-write, so that writers never see "no reader" and the FIFO never reports EOF.
         self._fd: int | None = os.open(path, os.O_RDWR | os.O_NONBLOCK)
         self._asleep = _shared_byte(path + ".asleep", create=True)
-        #: Moving average of recent waits, in seconds.
+        #: Moving average of recent waits, in seconds; written by :meth:`_record`.
         self.typical_wait = 0.0
-        #: Moving average of how often a spin saw the result arrive (1: always).
-        self.spin_hits = 1.0
-        self._waits_since_spin = 0
+        #: Whether spinning pays for these waits; written by :meth:`wait_for`.
+        self.spin_rate = SpinRate()
 
     def notify(self) -> None:
         """Wake a sleeping :meth:`wait_for` (used by the supervisor on a worker death)."""
@@ -152,24 +201,19 @@ class DoneSignal:
                 if self._spin(flags, indices, time.perf_counter() + spin):
                     self._record(start)
                     return "answered"
-            elif self.spin_hits >= 0.5 or self._waits_since_spin >= _PROBE_EVERY:
-                # Spin while spinning pays (the result came within ``spin``), and now and then
-                # to find out whether it pays again.
-                self._waits_since_spin = 0
+            elif self.spin_rate.worth_trying():
                 hit = self._spin(flags, indices, start + spin)
                 # Where nearly every result comes within ``spin``, a late one is a scheduling
                 # hiccup: spin a little longer rather than pay a wake-up (still a miss).
                 overran = (
                     not hit
-                    and self.spin_hits >= _STEADY
+                    and self.spin_rate.steady()
                     and self._spin(flags, indices, start + _LATE_FACTOR * spin)
                 )
-                self.spin_hits += _ALPHA * (float(hit) - self.spin_hits)
+                self.spin_rate.record(hit)
                 if hit or overran:
                     self._record(start)
                     return "answered"
-            else:
-                self._waits_since_spin += 1
         outcome = self._sleep_until_done(flags, indices, timeout, check, late)
         if outcome == "answered":
             self._record(start)
@@ -177,7 +221,7 @@ class DoneSignal:
 
     @staticmethod
     def _spin(flags: Any, indices: Sequence[int], until: float) -> bool:
-        # Same loop shape as TorchRL's: the clock is read only every 64 passes.
+        # The clock is read, and the core offered to whoever waits for it, every few passes.
         passes = 0
         while True:
             for i in indices:
@@ -188,8 +232,10 @@ class DoneSignal:
                     flags[i] = 0
                 return True
             passes += 1
-            if not passes & 63 and time.perf_counter() >= until:
-                return False
+            if not passes & (_YIELD_EVERY - 1):
+                os.sched_yield()
+                if time.perf_counter() >= until:
+                    return False
 
     def _record(self, start: float) -> None:
         # Clipped, so that one slow reset does not turn the next fast steps into sleeps.

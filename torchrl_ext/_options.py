@@ -148,6 +148,12 @@ class Options:
         return DEFAULT_SPIN if self.spin_wait is None else self.spin_wait
 
     @property
+    def command_spin(self) -> float:
+        """How long a worker on the managed step path spins for its next command: ``spin``,
+        except 0 under TorchRL's own wait (``float("inf")``), whose workers sleep on the pipe."""
+        return 0.0 if self.spin == float("inf") else self.spin
+
+    @property
     def recycling(self) -> bool:
         """Whether workers are recycled at episode boundaries (``recycle_memory``/``_every``)."""
         return self.recycle_memory is not None or self.recycle_every is not None

@@ -195,6 +195,7 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
                 done_fifo=None if options.spin == float("inf") else supervisor.done_signal.path,
                 child_start_method=plan.child_start_method,
                 owner_raises_errors=options.raises_env_errors,
+                command_spin=options.command_spin,
             ),
         )
         for i, kwargs in enumerate(user_kwargs)

@@ -46,6 +46,8 @@ Which path an env runs and why: :func:`parent_reason` (``None``: ours), reported
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -54,6 +56,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from ._compat import COLLECTOR_EXCLUDES, STEP_MDP, Upstream
+from ._done_signal import SpinRate
 
 __all__ = [
     "STEP_AND_MAYBE_RESET",
@@ -145,9 +148,14 @@ class WorkerPlan:
         reset_keys: Any,
         flags: Any,
         worker_idx: int,
+        spin: float = 0.0,
     ) -> None:
         #: The worker's env (a getter: the recorder keeps it weakly).
         self._env = env
+        #: Longest spin for the next command (:meth:`await_command`); 0: never spin.
+        self._spin = spin
+        #: Whether spinning for the next command pays; written by :meth:`await_command`.
+        self._spin_rate = SpinRate()
         self._shared = shared
         self._reset_keys = list(reset_keys or ())
         self._flags = flags
@@ -168,6 +176,25 @@ class WorkerPlan:
         self._next_copies = _Copies(self._next)
         self._root_copies = _Copies(self._root)
         self.ready = True
+
+    def await_command(self, poll: Callable[[float], bool]) -> None:
+        """Spin, yielding the core, until the pipe has the next command (``poll(0)``) or
+        ``spin`` seconds have passed, while such spins usually see it arrive
+        (``_done_signal.SpinRate``); the caller then reads it, blocking if it is not there.
+
+        A batched step's next command usually comes a few tens of microseconds after this
+        worker answered (the parent reads the outputs and writes the next inputs): catching it
+        spinning saves the wake-up of a sleeping process on both sides (the parent's write to
+        a pipe a sleeper waits on, and the sleeper's own wake-up)."""
+        if self._spin <= 0 or not self._spin_rate.worth_trying():
+            return
+        until = time.perf_counter() + self._spin
+        while not poll(0):
+            os.sched_yield()
+            if time.perf_counter() >= until:
+                self._spin_rate.record(False)
+                return
+        self._spin_rate.record(True)
 
     def handle(self, command: str, data: Any) -> bool:
         """Answer ``(command, data)`` if it is ours to answer; False leaves it to TorchRL."""

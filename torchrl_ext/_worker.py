@@ -64,6 +64,9 @@ class WorkerConfig:
     #: The owner raises every exception the env raises here, with the traceback this worker
     #: reports as its cause (``Options.raises_env_errors``): the worker does not print it too.
     owner_raises_errors: bool = False
+    #: Longest spin of a worker on the managed step path for its next command, in seconds
+    #: (``spin_wait``; 0: it sleeps on the pipe as TorchRL's loop does).
+    command_spin: float = 0.0
 
 
 class _CommandRecorder:
@@ -94,6 +97,8 @@ class _CommandRecorder:
     def recv(self) -> Any:
         plan = self.plan
         while True:
+            if plan is not None and plan.ready:
+                plan.await_command(self.poll)
             try:
                 raw = self._conn.recv_bytes()
             except EOFError:
@@ -275,7 +280,7 @@ def prepare_process(config: WorkerConfig) -> None:
         _cpython.set_daemon_in_config(current, False)
 
 
-def _plan_steps(recorder: _CommandRecorder, kwargs: dict[str, Any]) -> None:
+def _plan_steps(recorder: _CommandRecorder, kwargs: dict[str, Any], spin: float) -> None:
     """Give the recorder this worker's own step path where it can serve (``_step_path``)."""
     from ._compat import WORKER_KWARGS  # _compat imports this module
 
@@ -287,7 +292,8 @@ def _plan_steps(recorder: _CommandRecorder, kwargs: dict[str, Any]) -> None:
         log.debug("worker %s steps through TorchRL's loop: %s", index, reason)
         return
     env = recorder.kept_env
-    recorder.plan = WorkerPlan(env, shared, kwargs.get(WORKER_KWARGS["reset_keys"]), flags, int(index))
+    reset_keys = kwargs.get(WORKER_KWARGS["reset_keys"])
+    recorder.plan = WorkerPlan(env, shared, reset_keys, flags, int(index), spin)
 
 
 def end_own_descendants() -> None:
@@ -318,7 +324,7 @@ def run_managed(original: Callable[..., Any], config: WorkerConfig, kwargs: dict
         kwargs[factory_key] = _KeepsEnv(factory, recorder)
     if kwargs.get(flags_key) is not None:
         kwargs[flags_key] = _FlagsKeptAtClose(kwargs[flags_key], recorder)
-    _plan_steps(recorder, kwargs)
+    _plan_steps(recorder, kwargs, config.command_spin)
     if getattr(batched_envs, GC_NAME, None) is gc:  # this process runs only this worker's loop
         setattr(batched_envs, GC_NAME, _GCSkippedAfterClose(recorder))
     try:
