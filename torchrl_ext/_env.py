@@ -78,9 +78,10 @@ class ManagedParallelEnv(ParallelEnv):
             ``daemon_workers=False``), so its children cannot outlive it.
         spin_wait: TorchRL >= 0.11 spin-polls for the workers' results, holding a core for
             the whole step; a managed env sleeps until they arrive, after spinning at most
-            ``spin_wait`` seconds, and only while results usually arrive within that.
+            ``spin_wait`` seconds, and only while results usually arrive within that; its
+            workers spin as long for their next command, on the same rule.
             ``None`` (default): 250 microseconds; ``0``: never spin;
-            ``float("inf")``: TorchRL's own wait.
+            ``float("inf")``: TorchRL's own wait (workers sleep on the pipe).
         exit_with_parent: when the process that started this one through ``multiprocessing``
             dies (the training process of a collector worker), close the envs and end this
             process with SIGTERM. ``None`` (default): when this process was started by
