@@ -66,3 +66,16 @@ def test_a_recycled_group_is_left_alone_even_when_its_worker_was_alive_a_moment_
     dead_worker = {proc.pid: (start_time(proc) - 0.5, proc.pid)}
     found = tree(dead_worker, recent_groups=[proc.pid], include_workers=False, dying=True)
     assert not {p.pid for p in found} & {proc.pid, helper}, found
+
+
+@pytest.mark.compat
+def test_one_pass_lists_each_trees_descendants_as_psutil_does(stranger: tuple[psutil.Process, int]) -> None:
+    proc, child = stranger
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    trees = _identity.descendants_of([os.getpid(), proc.pid, child, gone.pid])
+    for pid in (os.getpid(), proc.pid, child):
+        assert sorted(p.pid for p in trees[pid]) == sorted(p.pid for p in _identity.descendants(pid))
+    assert {proc.pid, child} <= {p.pid for p in trees[os.getpid()]}  # grandchildren too
+    assert [p.pid for p in trees[proc.pid]] == [child]
+    assert trees[child] == [] and trees[gone.pid] == []

@@ -167,10 +167,13 @@ class WorkerRecord:
             self.create_time,
         )
 
-    def refresh(self) -> None:
+    def refresh(self, found: list[psutil.Process]) -> None:
         """While it runs: forget descendants that ended (a DataLoader per reset starts new ones
         every episode) and add the new ones (a new dict replaces the old one, so readers in
-        other threads never see it change size under them); read its cgroup's OOM-kill count."""
+        other threads never see it change size under them); read its cgroup's OOM-kill count.
+
+        ``found``: its descendants as the caller just listed them (``_identity.descendants_of``:
+        one pass over the process table for every worker)."""
         cgroup = _platform.memory_cgroup(self.pid)
         count = None if cgroup is None else _platform.cgroup_oom_kills(cgroup)
         # Read after the count: a worker already dying (the OOM killer counts its kill when
@@ -178,7 +181,7 @@ class WorkerRecord:
         if not _platform.is_dying(self.pid):
             self.cgroup, self.oom_kills = cgroup, count
         descendants = {k: proc for k, proc in self.descendants.items() if _identity.alive(proc)}
-        for proc in _identity.descendants(self.pid):
+        for proc in found:
             key = _identity.key_of(proc)
             if key is not None:
                 descendants.setdefault(key, proc)

@@ -297,8 +297,10 @@ class WorkerSupervisor:
         with self._lock:
             live = [w for w in self._workers if not w.finished]
             standby = list(self.handovers.standby.values())
-        for worker in live + standby:  # a standby's descendants too: they die with it
-            worker.refresh()
+        workers = live + standby  # a standby's descendants too: they die with it
+        trees = _identity.descendants_of([w.pid for w in workers])
+        for worker in workers:
+            worker.refresh(trees[worker.pid])
         if self.stats is not None:
             self.stats.observe(live, self.tag.owner)
 
