@@ -262,8 +262,10 @@ def make_thread_checking_env(main_pid: int, num_sub_threads: int, **kwargs: Any)
 
 class DtypesEnv(EnvBase):
     """An env whose outputs span dtypes and nesting, for the step path's copies: a float32
-    observation, a uint8 frame, a nested float64 position and int32 counter, a bool flag;
-    driven by the action and its own seeded generator; episodes of ``max_steps``."""
+    observation, a uint8 frame, a nested float64 position and int32 counter, a bool flag, and
+    one output no spec declares (so no shared buffer has it: a worker's copy into the buffers
+    must drop it as TorchRL's ``update_`` does, not raise); driven by the action and its own
+    seeded generator; episodes of ``max_steps``."""
 
     def __init__(self, max_steps: int = 3, **kwargs: Any) -> None:
         super().__init__(batch_size=torch.Size([]), **kwargs)
@@ -293,6 +295,7 @@ class DtypesEnv(EnvBase):
                 "pos": action.to(torch.float64) * self._t,
                 "count": torch.tensor([self._t], dtype=torch.int32),
             },
+            "undeclared": torch.tensor([self._t], dtype=torch.int64),
         }
 
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
