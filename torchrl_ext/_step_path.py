@@ -61,6 +61,7 @@ from ._done_signal import SpinRate
 __all__ = [
     "STEP_AND_MAYBE_RESET",
     "STEP_BYTES",
+    "TENSORDICT_PRIVATES",
     "ParentPlan",
     "StepPath",
     "WorkerPlan",
@@ -74,6 +75,15 @@ STEP_AND_MAYBE_RESET: tuple[str, dict[str, Any]] = ("step_and_maybe_reset", {})
 STEP_BYTES: bytes = bytes(ForkingPickler.dumps(STEP_AND_MAYBE_RESET))
 
 Key = str | tuple[str, ...]
+
+#: The tensordict internals this module uses (none is public API), with what each is for.
+#: ``tests/contract/test_contract_step_path.py`` checks that each exists on the installed
+#: tensordict and that this module uses no other (TorchRL's names are ``_compat``'s).
+TENSORDICT_PRIVATES: dict[str, str] = {
+    "TensorDict._tensordict": "a plain TensorDict's dict of entries, read by the worker's planned copies",
+    "TensorDict._new_unsafe": "builds the caller's result from fresh clones without validating them again",
+    "TensorDictBase._maybe_names": "a buffer's dimension names (None: unnamed), given to the result as is",
+}
 
 
 def _leaves(td: TensorDictBase) -> list[tuple[Key, torch.Tensor]]:

@@ -11,7 +11,9 @@ On TorchRL >= 0.11 the managed env must really have run its own path (``step_pat
 
 from __future__ import annotations
 
+import ast
 import functools
+import inspect
 from typing import Any
 
 import pytest
@@ -20,7 +22,7 @@ import torch
 from tests.conftest import START_METHODS
 from tests.contract.envs import make_dtypes_env
 from tests.contract.helpers import HAS_DAEMON, Record, Variant, assert_same_as_upstream, closing, run_variants
-from torchrl_ext import ManagedParallelEnv
+from torchrl_ext import ManagedParallelEnv, _step_path
 
 pytestmark = [pytest.mark.timeout(240)]
 
@@ -77,3 +79,24 @@ def test_step_path_outputs_are_upstreams(mp_start_method: str) -> None:
         assert managed_path == ("managed", "tensor-only CPU specs in shared buffers")
     else:
         assert managed_path[0] == "torchrl"
+
+
+@pytest.mark.compat
+def test_the_step_paths_tensordict_internals_are_declared_and_exist() -> None:
+    """Each tensordict private the step path uses exists on the installed tensordict, and the
+    module uses none that its inventory does not declare."""
+    import tensordict
+
+    plain = tensordict.TensorDict({}, batch_size=[])
+    declared = set()
+    for dotted in _step_path.TENSORDICT_PRIVATES:
+        owner, _, name = dotted.partition(".")
+        where = plain if owner == "TensorDict" else getattr(tensordict, owner)
+        assert hasattr(where, name), f"tensordict {tensordict.__version__} has no {dotted}"
+        declared.add(name)
+    tree = ast.parse(inspect.getsource(_step_path))
+    used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    privates = {
+        name for name in used if name.startswith("_") and not name.startswith("__") and hasattr(plain, name)
+    }
+    assert privates == declared
