@@ -37,6 +37,7 @@ from ._options import Options
 from ._plan import StartPlan
 from ._report import SupervisionReport
 from ._stats import EnvStats
+from ._step_path import switched_off
 from ._supervisor import WorkerSupervisor
 from ._tag import new_env_tag
 from ._worker import WorkerConfig
@@ -154,6 +155,7 @@ class StartWatch:
 
 def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -> None:
     options = state.options
+    step_path_off = switched_off()  # raises on a value that does not parse, before anything starts
     current = multiprocessing.current_process()
     if current.daemon:
         raise DaemonicParentError(current.name)
@@ -196,6 +198,7 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
                 child_start_method=plan.child_start_method,
                 owner_raises_errors=options.raises_env_errors,
                 command_spin=options.command_spin,
+                step_path_off=step_path_off,
             ),
         )
         for i, kwargs in enumerate(user_kwargs)

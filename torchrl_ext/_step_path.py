@@ -61,14 +61,19 @@ from ._done_signal import SpinRate
 __all__ = [
     "STEP_AND_MAYBE_RESET",
     "STEP_BYTES",
+    "STEP_PATH_VAR",
     "TENSORDICT_PRIVATES",
     "ParentPlan",
     "StepPath",
     "WorkerPlan",
     "parent_reason",
+    "switched_off",
     "worker_reason",
 ]
 
+#: ``TORCHRL_EXT_STEP_PATH=torchrl`` in the main process's environment: every managed env steps
+#: through TorchRL's path, on both sides (to rule ours out; :func:`switched_off`).
+STEP_PATH_VAR = "TORCHRL_EXT_STEP_PATH"
 #: The message TorchRL's ``ParallelEnv`` sends each worker for a plain batched step-and-reset.
 STEP_AND_MAYBE_RESET: tuple[str, dict[str, Any]] = ("step_and_maybe_reset", {})
 #: The same, pickled once: the bytes a worker recognises before unpickling anything.
@@ -95,8 +100,34 @@ def _all_cpu(td: TensorDictBase) -> bool:
 
 
 # --------------------------------------------------------------------------- the worker's side
-def worker_reason(shared: Any, non_tensor_keys: Any, flags: Any, worker_idx: Any) -> str | None:
-    """Why a worker leaves its steps to TorchRL's loop (``None``: it plans them itself)."""
+def switched_off() -> str | None:
+    """Why every managed env of this process runs TorchRL's step path by choice: ``STEP_PATH_VAR``
+    set to ``"torchrl"`` (``None``: unset, or ``"managed"``). Any other value raises.
+
+    The main process reads it at each start and tells its workers (``WorkerConfig``), so both
+    sides follow the main process's environment, whatever process the workers are forked from.
+
+    Example:
+        >>> os.environ.get(STEP_PATH_VAR) is None and switched_off() is None
+        True
+    """
+    value = os.environ.get(STEP_PATH_VAR, "managed")
+    if value == "managed":
+        return None
+    if value == "torchrl":
+        return f"{STEP_PATH_VAR}=torchrl is set"
+    raise ValueError(
+        f"{STEP_PATH_VAR}={value!r}: set it to 'torchrl' (TorchRL's step path) or 'managed' (the default)"
+    )
+
+
+def worker_reason(
+    shared: Any, non_tensor_keys: Any, flags: Any, worker_idx: Any, switch: str | None = None
+) -> str | None:
+    """Why a worker leaves its steps to TorchRL's loop (``None``: it plans them itself);
+    ``switch``: the main process's :func:`switched_off` at the start."""
+    if switch is not None:
+        return switch
     if shared is None:
         return "the worker has no shared buffers at start (use_buffers=False or TorchRL 0.15's hand-off)"
     if flags is None or worker_idx is None:
@@ -262,6 +293,9 @@ def _unravel(key: Any) -> Key:
 # --------------------------------------------------------------------------- the parent's side
 def parent_reason(env: Any) -> str | None:
     """Why the env's batched steps run TorchRL's path (``None``: they run ours)."""
+    switch = switched_off()
+    if switch is not None:
+        return switch
     upstream = Upstream(env)
     if upstream.done_flags is None:
         return "TorchRL < 0.11 answers through events, not shared flags"

@@ -67,6 +67,9 @@ class WorkerConfig:
     #: Longest spin of a worker on the managed step path for its next command, in seconds
     #: (``spin_wait``; 0: it sleeps on the pipe as TorchRL's loop does).
     command_spin: float = 0.0
+    #: Why the main process runs TorchRL's step path by choice (``_step_path.switched_off``
+    #: at the start); ``None``: this worker plans its steps where it can.
+    step_path_off: str | None = None
 
 
 class _CommandRecorder:
@@ -280,20 +283,21 @@ def prepare_process(config: WorkerConfig) -> None:
         _cpython.set_daemon_in_config(current, False)
 
 
-def _plan_steps(recorder: _CommandRecorder, kwargs: dict[str, Any], spin: float) -> None:
+def _plan_steps(recorder: _CommandRecorder, kwargs: dict[str, Any], config: WorkerConfig) -> None:
     """Give the recorder this worker's own step path where it can serve (``_step_path``)."""
     from ._compat import WORKER_KWARGS  # _compat imports this module
 
     shared = kwargs.get(WORKER_KWARGS["shared_buffer"])
     flags = kwargs.get(WORKER_KWARGS["done_flags"])
     index = kwargs.get(WORKER_KWARGS["worker_index"])
-    reason = worker_reason(shared, kwargs.get(WORKER_KWARGS["non_tensor_keys"]), flags, index)
+    non_tensor = kwargs.get(WORKER_KWARGS["non_tensor_keys"])
+    reason = worker_reason(shared, non_tensor, flags, index, config.step_path_off)
     if reason is not None or index is None:
         log.debug("worker %s steps through TorchRL's loop: %s", index, reason)
         return
     env = recorder.kept_env
     reset_keys = kwargs.get(WORKER_KWARGS["reset_keys"])
-    recorder.plan = WorkerPlan(env, shared, reset_keys, flags, int(index), spin)
+    recorder.plan = WorkerPlan(env, shared, reset_keys, flags, int(index), config.command_spin)
 
 
 def end_own_descendants() -> None:
@@ -324,7 +328,7 @@ def run_managed(original: Callable[..., Any], config: WorkerConfig, kwargs: dict
         kwargs[factory_key] = _KeepsEnv(factory, recorder)
     if kwargs.get(flags_key) is not None:
         kwargs[flags_key] = _FlagsKeptAtClose(kwargs[flags_key], recorder)
-    _plan_steps(recorder, kwargs, config.command_spin)
+    _plan_steps(recorder, kwargs, config)
     if getattr(batched_envs, GC_NAME, None) is gc:  # this process runs only this worker's loop
         setattr(batched_envs, GC_NAME, _GCSkippedAfterClose(recorder))
     try:

@@ -81,6 +81,39 @@ def test_step_path_outputs_are_upstreams(mp_start_method: str) -> None:
         assert managed_path[0] == "torchrl"
 
 
+@pytest.mark.parametrize("mp_start_method", ["default", "fork"])
+def test_torchrl_s_step_path_chosen_by_the_environment_gives_upstreams_outputs(
+    mp_start_method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``TORCHRL_EXT_STEP_PATH=torchrl``: the managed env says it runs TorchRL's path, and
+    its outputs are still upstream's (the fallback the guarantee suites also run on)."""
+    monkeypatch.setenv(_step_path.STEP_PATH_VAR, "torchrl")
+    paths: list[Any] = []
+
+    def scenario(variant: Variant, rec: Record) -> None:
+        env = variant(
+            2, functools.partial(make_dtypes_env), create_env_kwargs=UNEVEN, mp_start_method=mp_start_method
+        )
+        with closing(env):
+            _loop(env, rec, paths)
+
+    assert_same_as_upstream(run_variants(scenario))
+    if paths[1] is not None:  # None: TORCHRL_EXT_CONTRACT_REFERENCE (upstream against itself)
+        assert paths[1] == ("torchrl", "TORCHRL_EXT_STEP_PATH=torchrl is set")
+
+
+def test_a_step_path_switch_that_does_not_parse_is_refused_at_the_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(_step_path.STEP_PATH_VAR, "fast")
+    env = ManagedParallelEnv(1, functools.partial(make_dtypes_env), mp_start_method="fork")
+    try:
+        with pytest.raises(ValueError, match="TORCHRL_EXT_STEP_PATH='fast': set it to 'torchrl'"):
+            env.reset()
+    finally:
+        env.close(raise_if_closed=False)
+
+
 @pytest.mark.compat
 def test_the_step_paths_tensordict_internals_are_declared_and_exist() -> None:
     """Each tensordict private the step path uses exists on the installed tensordict, and the
