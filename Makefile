@@ -42,8 +42,17 @@ lint: .venv/.ready
 	.venv/bin/ruff format --check torchrl_ext
 	.venv/bin/mypy
 
+# The managed step path is the default on TorchRL >= 0.11, so the main suite runs every guarantee
+# on it. Then the guarantee suites of the step path (restarts and marks, step_timeout, recycling,
+# stats, the done signal) once more on TorchRL's step path (TORCHRL_EXT_STEP_PATH=torchrl), on
+# the default path and fork: which path a step takes does not depend on how workers start.
+FALLBACK_SUITE := tests/test_restarts.py tests/test_recycle.py tests/test_watching.py tests/test_done_signal.py
 test-main: .venv/.ready
-	.venv/bin/python -m pytest
+	status=0; \
+	.venv/bin/python -m pytest || status=$$?; \
+	TORCHRL_EXT_STEP_PATH=torchrl .venv/bin/python -m pytest --skip-start-method spawn \
+		--skip-start-method forkserver $(FALLBACK_SUITE) || status=$$?; \
+	exit $$status
 
 # TorchRL 0.10.1: the tests marked compat, but for their spawn cases (22 of 470, a third of
 # this suite's test time: 244 of 770 s on 2 cores), for the reason given at test-torchrl015.

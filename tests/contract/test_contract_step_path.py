@@ -102,11 +102,13 @@ def test_torchrl_s_step_path_chosen_by_the_environment_gives_upstreams_outputs(
         assert paths[1] == ("torchrl", "TORCHRL_EXT_STEP_PATH=torchrl is set")
 
 
+@pytest.mark.parametrize("mp_start_method", ["default", "fork"])
 def test_a_step_path_switch_that_does_not_parse_is_refused_at_the_start(
-    monkeypatch: pytest.MonkeyPatch,
+    mp_start_method: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(_step_path.STEP_PATH_VAR, "fast")
-    env = ManagedParallelEnv(1, functools.partial(make_dtypes_env), mp_start_method="fork")
+    kwargs = {} if mp_start_method == "default" else {"mp_start_method": mp_start_method}
+    env = ManagedParallelEnv(1, functools.partial(make_dtypes_env), **kwargs)
     try:
         with pytest.raises(ValueError, match="TORCHRL_EXT_STEP_PATH='fast': set it to 'torchrl'"):
             env.reset()
