@@ -57,9 +57,8 @@ def _loop(env: Any, rec: Record, paths: list[Any]) -> None:
     rec("rollout", lambda: env.rollout(7, break_when_any_done=False))
 
 
-@pytest.mark.parametrize("mp_start_method", ["default", *START_METHODS])
-@pytest.mark.compat
-def test_step_path_outputs_are_upstreams(mp_start_method: str) -> None:
+def _same_as_upstream(mp_start_method: str) -> list[Any]:
+    """Run the loop on upstream and ours, assert they agree; each side's ``step_path``."""
     paths: list[Any] = []
 
     def scenario(variant: Variant, rec: Record) -> None:
@@ -69,9 +68,14 @@ def test_step_path_outputs_are_upstreams(mp_start_method: str) -> None:
         with closing(env):
             _loop(env, rec, paths)
 
-    records = run_variants(scenario)
-    assert_same_as_upstream(records)
-    upstream_path, managed_path = paths
+    assert_same_as_upstream(run_variants(scenario))
+    return paths
+
+
+@pytest.mark.parametrize("mp_start_method", ["default", *START_METHODS])
+@pytest.mark.compat
+def test_step_path_outputs_are_upstreams(mp_start_method: str) -> None:
+    upstream_path, managed_path = _same_as_upstream(mp_start_method)
     assert upstream_path is None
     if managed_path is None:  # TORCHRL_EXT_CONTRACT_REFERENCE: upstream against itself
         return
@@ -88,16 +92,7 @@ def test_torchrl_s_step_path_chosen_by_the_environment_gives_upstreams_outputs(
     """``TORCHRL_EXT_STEP_PATH=torchrl``: the managed env says it runs TorchRL's path, and
     its outputs are still upstream's (the fallback the guarantee suites also run on)."""
     monkeypatch.setenv(_step_path.STEP_PATH_VAR, "torchrl")
-    paths: list[Any] = []
-
-    def scenario(variant: Variant, rec: Record) -> None:
-        env = variant(
-            2, functools.partial(make_dtypes_env), create_env_kwargs=UNEVEN, mp_start_method=mp_start_method
-        )
-        with closing(env):
-            _loop(env, rec, paths)
-
-    assert_same_as_upstream(run_variants(scenario))
+    paths = _same_as_upstream(mp_start_method)
     if paths[1] is not None:  # None: TORCHRL_EXT_CONTRACT_REFERENCE (upstream against itself)
         assert paths[1] == ("torchrl", "TORCHRL_EXT_STEP_PATH=torchrl is set")
 
