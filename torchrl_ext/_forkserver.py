@@ -15,7 +15,9 @@ warm process:
 * **Zygote**: where the owner is provably safe to fork when the server starts (one thread,
   CUDA not initialised: ``_platform.fork_unsafe_reason``), the server is a fork of the owner
   instead of a new interpreter, and its own start costs a fork too (NOTE [zygote]); otherwise
-  one INFO line says why, and the server imports everything as above.
+  one INFO line says why, and the server imports everything as above. So it does when the
+  zygote dies before its preload report (a crash of its own; a module that fails to import is
+  a :class:`PreloadError`, as for a new interpreter).
 * **Random state** is fresh in each direct child of the server, as a spawned process's would
   be: torch's default generator and numpy's legacy global state are reseeded from the OS at
   fork (``random`` reseeds itself). Forks made later *by* a worker keep fork semantics.
