@@ -65,8 +65,9 @@ def load_sibling(name: str) -> ModuleType:
 
 
 if __package__:
-    from . import _wait
+    from . import _platform, _wait
 else:  # loaded by path (the reaper script)
+    _platform = load_sibling("_platform")
     _wait = load_sibling("_wait")
 
 __all__ = [
@@ -231,7 +232,11 @@ def running(pid: int, ctime: float | None = None) -> bool:
 
 
 def descendants(pid: int) -> list[psutil.Process]:
-    """Every live descendant of ``pid`` (empty when ``pid`` is gone)."""
+    """Every live descendant of ``pid`` (empty when ``pid`` is gone). A process without a
+    child (most workers, most of the time) is told by its own ``/proc`` files, without the
+    scan of every process that listing descendants takes (``_platform.has_children``)."""
+    if _platform.has_children(pid) is False:
+        return []
     try:
         return psutil.Process(pid).children(recursive=True)
     except psutil.Error:
