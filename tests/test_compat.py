@@ -9,7 +9,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import importlib.util
+import inspect
 import re
+import textwrap
 import types
 from pathlib import Path
 from typing import Any
@@ -110,6 +113,76 @@ def test_a_users_patch_of_the_worker_function_is_not_read_as_torchrl(monkeypatch
         _compat.check_supported()
     finally:
         _compat.check_supported.cache_clear()
+
+
+def _whole_file_def(source: str, name: str) -> tuple[str, str] | None:
+    """What parsing the whole file finds for ``name``: its arguments (dumped) and source."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return ast.dump(node.args), ast.get_source_segment(source, node) or ""
+    return None
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("name", ["_run_worker_pipe_shared_mem", "_run_worker_pipe_direct"])
+def test_the_worker_function_is_read_from_its_own_lines(name: str) -> None:
+    """The check reads TorchRL's worker function by parsing its own lines, not the whole file
+    (a twentieth of a second of every program's first start): the same arguments and source."""
+    source = inspect.getsource(batched_envs)
+    cut = _compat._top_level_def(source, name)
+    assert cut is not None, f"{name} was not cut out of TorchRL's source"
+    assert (ast.dump(cut[0].args), cut[1]) == _whole_file_def(source, name)
+
+
+_AWKWARD = '''
+import functools
+
+
+class Holder:
+    def nested(self, a):
+        return a
+
+
+def cut_in_a_string(a, b=1):
+    text = """
+column zero inside the body
+"""
+    return text
+
+
+@functools.cache
+def decorated(x, *, y):
+    return x
+
+
+def last(c):
+    return c
+'''
+
+
+@pytest.mark.parametrize(
+    ("name", "cut"), [("nested", False), ("cut_in_a_string", False), ("decorated", True), ("last", True)]
+)
+def test_a_definition_its_own_lines_do_not_give_is_read_from_the_whole_file(
+    name: str, cut: bool, tmp_path: Path
+) -> None:
+    """Where the cut is not one function of that name (only a nested one, a body with a line at
+    column zero inside a string), the whole file is parsed: the result is the same either way."""
+    path = tmp_path / "awkward_module.py"
+    path.write_text(_AWKWARD)
+    spec = importlib.util.spec_from_file_location("awkward_module", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (_compat._top_level_def(_AWKWARD, name) is not None) == cut
+    params, source = _compat._defined(module, name)
+    whole = _whole_file_def(_AWKWARD, name)
+    assert whole is not None and source == whole[1]
+    node = ast.parse(textwrap.dedent(source)).body[0]
+    assert isinstance(node, ast.FunctionDef)
+    expected = {a.arg for a in (*node.args.args, *node.args.kwonlyargs)}
+    assert params == expected
+    assert _compat._defined(module, "absent") == (frozenset(), "")
 
 
 #: TorchRL's own private names, as the inventory declares them (the commands are plain words;

@@ -79,3 +79,60 @@ def test_one_pass_lists_each_trees_descendants_as_psutil_does(stranger: tuple[ps
     assert {proc.pid, child} <= {p.pid for p in trees[os.getpid()]}  # grandchildren too
     assert [p.pid for p in trees[proc.pid]] == [child]
     assert trees[child] == [] and trees[gone.pid] == []
+
+
+#: Run by the test below: a process with no child, a child (which has its own child), a child
+#: started by a thread that has ended, or a zombie child; it prints "ready", and at EOF on its
+#: stdin ends and collects its children (as the middle one does its own).
+_FAMILY = """
+import os, subprocess, sys, threading
+mode, kids, zombie = sys.argv[1], [], None
+if mode == "grandchild":
+    middle = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                               "p = subprocess.Popen(['sleep', '60']); print('x', flush=True); "
+                               "sys.stdin.read(); p.kill(); p.wait()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    middle.stdout.readline()
+    kids.append(middle)
+elif mode == "thread":
+    thread = threading.Thread(target=lambda: kids.append(subprocess.Popen(["sleep", "60"])))
+    thread.start()
+    thread.join()
+elif mode == "zombie":
+    zombie = os.fork()
+    if zombie == 0:
+        os._exit(0)
+print("ready", flush=True)
+sys.stdin.read()
+for kid in kids:
+    if kid.stdin is not None:
+        kid.stdin.close()
+    else:
+        kid.kill()
+    kid.wait()
+if zombie is not None:
+    os.waitpid(zombie, 0)
+"""
+
+
+@pytest.mark.skipif(not _identity._platform.has_proc_children(), reason="no /proc/PID/task/TID/children")
+@pytest.mark.parametrize("mode", ["none", "grandchild", "thread", "zombie"])
+def test_descendants_read_from_the_children_files_are_psutils(mode: str) -> None:
+    """``descendants`` skips the scan of every process where a process's own ``children``
+    files show it has none; otherwise, and wherever they show a child, it lists what psutil
+    lists (a grandchild, a child whose thread ended, a zombie child)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FAMILY, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        expected = sorted(p.pid for p in psutil.Process(proc.pid).children(recursive=True))
+        assert _identity._platform.has_children(proc.pid) is (mode != "none")
+        assert sorted(p.pid for p in _identity.descendants(proc.pid)) == expected
+        assert len(expected) == {"none": 0, "grandchild": 2, "thread": 1, "zombie": 1}[mode]
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+        proc.stdout.close()
+    assert _identity._platform.has_children(proc.pid) is None  # gone (collected)

@@ -575,3 +575,33 @@ def test_an_oom_kill_without_restarts_says_so_and_a_kill_by_hand_does_not(memory
         assert info.value.oom is None and "likely out of memory" in str(info.value)
     finally:
         env.close(raise_if_closed=False)
+
+
+@pytest.mark.parametrize("method", STARTS)
+def test_the_first_sample_of_the_trees_is_the_watchers_not_the_starts(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start records each worker's descendants itself, but leaves the trees' first sample
+    for ``stats()`` (a page walk per worker) to the supervisor's thread, which takes it at once
+    while the first reset runs: stats are sampled without the start waiting for them."""
+    from torchrl_ext import _stats
+
+    sampled_in: list[str] = []
+    real = _stats.TreeSampler.maybe_sample
+
+    def recording(self: Any, workers: Any) -> bool:
+        sampled_in.append(threading.current_thread().name)
+        return real(self, workers)
+
+    monkeypatch.setattr(_stats.TreeSampler, "maybe_sample", recording)
+    env = ManagedParallelEnv(2, functools.partial(make_env), daemon_workers=False, **start_kwargs(method))
+    try:
+        env.reset()
+        stats = wait_until(
+            lambda: (s := env.stats())["tree_rss_bytes"] > 0 and s, "the first sample of the trees"
+        )
+        assert stats["workers_alive"] == 2
+        supervisors = [name for name in sampled_in if name.startswith("torchrl_ext-supervisor")]
+        assert sampled_in and supervisors == sampled_in, sampled_in
+    finally:
+        env.close(raise_if_closed=False)

@@ -106,6 +106,20 @@ def test_an_unsafe_main_process_falls_back_with_one_line(
     assert len([w for w in workers if w["pid"] in result["workers"]]) == 3
 
 
+def test_a_zygote_that_fails_before_its_report_falls_back_with_one_line(tmp_path: Path) -> None:
+    """A zygote that dies before it reports its preload (not an import error: a crash of its
+    own, injected) does not fail the start: the server is a new interpreter, one logged line
+    names the reason, and the env works."""
+    result, workers = _run("zygote_crash", tmp_path)
+    assert result["start_method"] == "preloaded" and result["kind"] == "interpreter", result
+    assert "the zygote failed before its preload report" in result["fallback"], result
+    assert result["server_zygote"] == 0
+    lines = _fallback_lines(result)
+    assert len(lines) == 1 and "the zygote failed" in lines[0], result["log"]
+    assert "start_fork_server" not in lines[0]  # no thread to blame
+    assert len([w for w in workers if w["pid"] in result["workers"]]) == 3
+
+
 def test_a_start_outside_the_main_thread_or_uncounted_threads_are_unsafe(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1,9 +1,10 @@
 """Run as a script by tests/test_zygote.py: ``python tests/zygote_script.py MODE OUT_DIR``.
 
 Sets up the main process as ``MODE`` says (a second thread, a started OpenMP pool, initialised
-CUDA, a pipe and handlers of its own), starts a managed env on the default path, and writes
-``OUT_DIR/result.json``: the server's kind and fallback reason, ``stats()["server_zygote"]``,
-the log records, and what each worker saw (``OUT_DIR/worker-<pid>.json``, by :func:`make`)."""
+CUDA, a pipe and handlers of its own, a zygote that crashes before its report), starts a managed
+env on the default path, and writes ``OUT_DIR/result.json``: the server's kind and fallback
+reason, ``stats()["server_zygote"]``, the log records, and what each worker saw
+(``OUT_DIR/worker-<pid>.json``, by :func:`make`)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,12 @@ def main() -> int:
         torch.randn(512, 512) @ torch.randn(512, 512)
     elif mode == "cuda":
         torch.zeros(1, device="cuda")
+    elif mode == "zygote_crash":
+        # The zygote is a fork of this process: it runs this patch instead of becoming a server.
+        def crash(*args: Any) -> None:
+            raise RuntimeError("injected: the zygote fails before its report")
+
+        _forkserver._become_zygote = crash  # type: ignore[assignment]
     elif mode == "handlers":
         signal.signal(signal.SIGUSR1, lambda *_: None)
         signal.signal(signal.SIGTERM, lambda *_: None)

@@ -15,7 +15,9 @@ warm process:
 * **Zygote**: where the owner is provably safe to fork when the server starts (one thread,
   CUDA not initialised: ``_platform.fork_unsafe_reason``), the server is a fork of the owner
   instead of a new interpreter, and its own start costs a fork too (NOTE [zygote]); otherwise
-  one INFO line says why, and the server imports everything as above.
+  one INFO line says why, and the server imports everything as above. So it does when the
+  zygote dies before its preload report (a crash of its own; a module that fails to import is
+  a :class:`PreloadError`, as for a new interpreter).
 * **Random state** is fresh in each direct child of the server, as a spawned process's would
   be: torch's default generator and numpy's legacy global state are reseeded from the OS at
   fork (``random`` reseeds itself). Forks made later *by* a worker keep fork semantics.
@@ -719,19 +721,30 @@ class _Server:
 
     def _start_server(self) -> None:
         modules = ["__main__", *self._wanted]
+        # NOTE [zygote]: checked now, right before the fork it allows.
+        unsafe = _platform.fork_unsafe_reason()
+        hint = " Call torchrl_ext.start_fork_server() before the program starts threads to pay it early."
+        if unsafe is None:
+            try:
+                self._start_kind(modules, zygote=True)
+                return
+            except _NoReport as err:  # a crash of the fork, not an import: a new interpreter may work
+                unsafe, hint = f"the zygote failed before its preload report ({err.exitcode})", ""
+        log.info(
+            "the preloaded fork server starts as a new interpreter (seconds: it imports torch "
+            "again), not as a fork of this process: %s.%s",
+            unsafe,
+            hint,
+        )
+        self._start_kind(modules, zygote=False, fallback=unsafe)
+
+    def _start_kind(self, modules: list[str], zygote: bool, fallback: str | None = None) -> None:
+        """Start the server as a fork of this process (``zygote``) or a new interpreter, and
+        wait for its preload report."""
         owner_pid, owner_ctime = _identity.me()
         tag = Tag(owner_pid, owner_ctime, f"{owner_pid}.{TAG_SUFFIX}")
         arm = _platform.parent_death_outlives_worker(None)  # the server is this thread's child
         key = os.urandom(32)  # NOTE [authenticated server]: over the setup pipe only
-        # NOTE [zygote]: checked now, right before the fork it allows.
-        unsafe = _platform.fork_unsafe_reason()
-        if unsafe is not None:
-            log.info(
-                "the preloaded fork server starts as a new interpreter (seconds: it imports torch "
-                "again), not as a fork of this process: %s. Call torchrl_ext.start_fork_server() "
-                "before the program starts threads to pay it early.",
-                unsafe,
-            )
         with socket.socket(socket.AF_UNIX) as listener:
             address = new_unix_address()
             listener.bind(address)
@@ -742,7 +755,7 @@ class _Server:
             status_r, status_w = os.pipe()
             fds = (listener.fileno(), alive_r, status_w)
             try:
-                if unsafe is None:
+                if zygote:
                     proc: subprocess.Popen[bytes] | _ForkedServer = self._fork(
                         fds, alive_w, status_r, tag, owner_pid, arm, modules, key
                     )
@@ -762,11 +775,14 @@ class _Server:
             if proc.poll() is None:  # a hung preload, or an error reported before exiting
                 proc.kill()
             proc.wait()
+            if not is_abstract_address(address):
+                with contextlib.suppress(OSError):
+                    os.unlink(address)
             raise
         finally:
             os.close(status_r)
         self._proc = proc
-        self.kind, self.fallback = ("zygote", None) if unsafe is None else ("interpreter", unsafe)
+        self.kind, self.fallback = ("zygote", None) if zygote else ("interpreter", fallback)
         self.key = (proc.pid, _identity.start_time(psutil.Process(proc.pid)))
         self.address, self._alive_fd, self._authkey = address, alive_w, key
         _reaper_client.add_helper(*self.key)  # it ends with this process: not a leftover then
@@ -884,10 +900,11 @@ class _Server:
                 name=module,
             )
         code = proc.wait()
-        raise PreloadError(
+        raise _NoReport(
             f"the preloaded fork server (pid {proc.pid}) exited with code "
             f"{format_exitcode(code)} before importing {modules}; its error is above on stderr. "
-            "Pass mp_start_method='spawn' to start workers without it."
+            "Pass mp_start_method='spawn' to start workers without it.",
+            exitcode=f"pid {proc.pid}, exit code {format_exitcode(code)}; its error is on stderr",
         )
 
     def _forget(self) -> None:
@@ -919,6 +936,15 @@ class _Server:
         self.key = None
         self.kind = self.fallback = None
         self.address = self._alive_fd = self._authkey = None
+
+
+class _NoReport(PreloadError):
+    """The server exited before it reported its preload: no module named, a crash of its own
+    (a zygote that fails so falls back to a new interpreter: :meth:`_Server._start_server`)."""
+
+    def __init__(self, message: str, exitcode: str) -> None:
+        super().__init__(message)
+        self.exitcode = exitcode
 
 
 def _complete(data: bytes) -> bool:

@@ -65,8 +65,9 @@ def load_sibling(name: str) -> ModuleType:
 
 
 if __package__:
-    from . import _wait
+    from . import _platform, _wait
 else:  # loaded by path (the reaper script)
+    _platform = load_sibling("_platform")
     _wait = load_sibling("_wait")
 
 __all__ = [
@@ -258,7 +259,11 @@ def running(pid: int, ctime: float | None = None) -> bool:
 
 
 def descendants(pid: int) -> list[psutil.Process]:
-    """Every live descendant of ``pid`` (empty when ``pid`` is gone)."""
+    """Every live descendant of ``pid`` (empty when ``pid`` is gone). A process without a
+    child (most workers, most of the time) is told by its own ``/proc`` files, without the
+    scan of every process that listing descendants takes (``_platform.has_children``)."""
+    if _platform.has_children(pid) is False:
+        return []
     try:
         return psutil.Process(pid).children(recursive=True)
     except psutil.Error:
@@ -266,19 +271,23 @@ def descendants(pid: int) -> list[psutil.Process]:
 
 
 def descendants_of(pids: Iterable[int]) -> dict[int, list[psutil.Process]]:
-    """:func:`descendants` of each of ``pids``, from one pass over the process table (what
-    one :func:`descendants` call costs, instead of one pass per pid).
+    """:func:`descendants` of each of ``pids``, from at most one pass over the process table
+    (what one :func:`descendants` call costs, instead of one pass per pid), and none where
+    each of them shows it has no child.
 
     The same rule as psutil's ``children(recursive=True)``: a process counts only if it was
     created no earlier than the pid it descends from (else its pid was reused). A gone pid
     maps to an empty list."""
+    out: dict[int, list[psutil.Process]] = {pid: [] for pid in pids}
+    # A process whose own /proc files show no child needs no pass (``_platform.has_children``).
+    roots = [pid for pid in out if _platform.has_children(pid) is not False]
+    if not roots:
+        return out
     children: dict[int, list[int]] = {}
     for pid, ppid in parent_pids().items():
         children.setdefault(ppid, []).append(pid)
-    out: dict[int, list[psutil.Process]] = {}
-    for root in pids:
-        found: list[psutil.Process] = []
-        out[root] = found
+    for root in roots:
+        found = out[root]
         try:
             root_ctime = psutil.Process(root).create_time()
         except psutil.Error:

@@ -31,9 +31,11 @@ __all__ = [
     "ZYGOTE_VAR",
     "ProcessMemory",
     "fork_unsafe_reason",
+    "has_children",
     "has_parent_death_signal",
     "has_pidfd",
     "has_prctl",
+    "has_proc_children",
     "has_smaps_rollup",
     "kill_process_group",
     "neutralise_descriptors",
@@ -286,6 +288,49 @@ def _read_rollup(pid: int) -> ProcessMemory | None:
             totals[field] += int(rest.split()[0]) << 10  # in kB
             seen = True
     return ProcessMemory(*totals) if seen else None  # a zombie's file is empty
+
+
+@functools.lru_cache(maxsize=1)
+def has_proc_children() -> bool:
+    """Whether ``/proc/PID/task/TID/children`` can be read (Linux with ``CONFIG_PROC_CHILDREN``):
+    a process's children without a scan of every process (:func:`has_children`). Off with
+    ``TORCHRL_EXT_PORTABLE=1``.
+
+    Example:
+        >>> has_proc_children() in (True, False)
+        True
+    """
+    if portable_only():
+        return False
+    try:
+        with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children", "rb"):
+            return True
+    except OSError:
+        return False
+
+
+def has_children(pid: int) -> bool | None:
+    """Whether process ``pid`` has a child now (zombies count), read from its threads'
+    ``children`` files: a few reads, where a full list of its descendants (psutil's) reads
+    every process's ``stat``. ``None`` where it cannot tell: :func:`has_proc_children` is
+    false, ``pid`` is gone or unreadable, or one of its threads ended while being read (its
+    children moved to another thread, perhaps one already read).
+
+    Example:
+        >>> has_children(os.getpid()) in (True, False, None)
+        True
+    """
+    if not has_proc_children():
+        return None
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+        for tid in threads:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
+                if fh.read(1):
+                    return True
+    except OSError:
+        return None
+    return False
 
 
 @functools.lru_cache(maxsize=1)

@@ -115,6 +115,9 @@ class WorkerSupervisor:
         self.restarts = 0
         #: Recycling (``_recycle``): the slots' standby and retiring workers.
         self.handovers = Handovers(label, self._lock, self._watcher.retire_fd)
+        #: The trees have not been sampled for ``stats()`` yet: the watcher's first round does
+        #: it at once (:meth:`attach` leaves it to the watcher). Cleared by that round's plan.
+        self._sample_due = True
 
     # ------------------------------------------------------------------ set-up
     def enable_restarts(self, on: bool, replaceable: bool = False) -> None:
@@ -135,7 +138,9 @@ class WorkerSupervisor:
                 worker = self._record(index, process, channel)
                 wrapped.append(worker.channel)
                 self._workers.append(worker)
-        self._snapshot()
+        # The descendants and OOM baselines now; the trees' first sample (a page walk per
+        # worker: a tenth of a second at 16) by the watcher, while the first reset runs.
+        self._snapshot(sample=False)
         self._watcher.start()
         return wrapped
 
@@ -278,6 +283,8 @@ class WorkerSupervisor:
         # Without pidfds (macOS, old kernels) a sentinel can stay open after the worker died
         # (forked grandchildren inherit it), so those workers are also polled.
         timeout = FALLBACK_POLL_INTERVAL if polled or retiring else SNAPSHOT_INTERVAL
+        if self._sample_due:
+            self._sample_due, timeout = False, 0.0
 
         def handle(ready: list[int]) -> None:
             if retiring:
@@ -292,8 +299,9 @@ class WorkerSupervisor:
 
         return Round([*pending, *retiring], timeout, handle)
 
-    def _snapshot(self) -> None:
-        """Refresh each live worker's descendants; sample their trees for ``stats()`` if due."""
+    def _snapshot(self, sample: bool = True) -> None:
+        """Refresh each live worker's descendants; with ``sample``, sample their trees for
+        ``stats()`` if due."""
         with self._lock:
             live = [w for w in self._workers if not w.finished]
             standby = list(self.handovers.standby.values())
@@ -301,7 +309,7 @@ class WorkerSupervisor:
         trees = _identity.descendants_of([w.pid for w in workers])
         for worker in workers:
             worker.refresh(trees[worker.pid])
-        if self.stats is not None:
+        if sample and self.stats is not None:
             self.stats.observe(live, self.tag.owner)
 
     def poll(self) -> None:
