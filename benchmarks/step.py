@@ -78,6 +78,7 @@ def _time_torchrl(env: Any, warmup: int, steps: int) -> tuple[list[float], dict[
     extra: dict[str, Any] = {}
     if "_managed_state" in env.__dict__:  # never getattr: ParallelEnv forwards it to the workers
         extra["step_path"] = env.step_path[0]
+        extra["server_zygote"] = env.stats().get("server_zygote")
     return times, extra
 
 
@@ -171,6 +172,7 @@ def _cell_rows(results: list[dict[str, Any]], configs: Sequence[str]) -> list[di
                     "median_us": statistics.median(r["median_us"] for r in ok),
                     "busy_cores": statistics.median(r["busy_cores"] for r in ok),
                     "step_path": ok[0].get("step_path"),
+                    "server_zygote": ok[0].get("server_zygote"),
                 }
             elif got:
                 row[config] = {"error": got[0]["error"]}
@@ -222,6 +224,11 @@ def write_markdown(
     paths = {row[c]["step_path"] for row in rows for c in ours if row.get(c, {}).get("step_path")}
     if paths:
         lines += ["", f"Step path of the managed envs (`env.step_path`): {', '.join(sorted(paths))}."]
+    zygote = {row["managed"].get("server_zygote") for row in rows if "managed" in row}
+    if zygote - {None}:
+        kinds = {1: "a fork of the trial's process (zygote)", 0: "a new interpreter"}
+        said = ", ".join(kinds.get(z, str(z)) for z in sorted(zygote - {None}))
+        lines += [f"The default path's fork server (`stats()['server_zygote']`): {said}."]
     errors = [
         f"{row['env']}/{row['workers']}/{c}: {row[c]['error']}"
         for row in rows
@@ -264,7 +271,14 @@ def write_chart(rows: list[dict[str, Any]], configs: Sequence[str], path: Path) 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
-        result = child_trial({"trial": trial}, "trial", json.loads(args.child), Path(args.child_out))
+        spec = json.loads(args.child)
+        if spec["config"] == "managed":
+            # The default path as a program gets it: the server forked from this process. Started
+            # before child_trial arms its watchdog, a thread, which would make it a new interpreter.
+            import torchrl_ext
+
+            torchrl_ext.start_fork_server()
+        result = child_trial({"trial": trial}, "trial", spec, Path(args.child_out))
         Path(args.child_out).write_text(json.dumps(result))
         return 0
     out = args.out or RESULTS / ("step_quick" if args.quick else "step")
