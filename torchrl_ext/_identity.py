@@ -262,18 +262,12 @@ def descendants(pid: int) -> list[psutil.Process]:
     """Every live descendant of ``pid`` (empty when ``pid`` is gone). A process without a
     child (most workers, most of the time) is told by its own ``/proc`` files, without the
     scan of every process that listing descendants takes (``_platform.has_children``)."""
-    if _platform.has_children(pid) is False:
-        return []
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return []
+    return descendants_of([pid])[pid]
 
 
 def descendants_of(pids: Iterable[int]) -> dict[int, list[psutil.Process]]:
     """:func:`descendants` of each of ``pids``, from at most one pass over the process table
-    (what one :func:`descendants` call costs, instead of one pass per pid), and none where
-    each of them shows it has no child.
+    (not one pass per pid), and none where each of them shows it has no child.
 
     The same rule as psutil's ``children(recursive=True)``: a process counts only if it was
     created no earlier than the pid it descends from (else its pid was reused). A gone pid
