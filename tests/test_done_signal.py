@@ -9,6 +9,7 @@ import select
 import signal
 import threading
 from collections.abc import Iterator
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,11 @@ from tensordict import TensorDict
 from tests.envs import make_env
 from tests.polling import wait_until
 from torchrl_ext import ManagedParallelEnv, WorkerDiedError, _done_signal
+from torchrl_ext._channel import ParentChannel, RestartableChannel
 from torchrl_ext._compat import HAS_DAEMON_KWARG
 from torchrl_ext._done_signal import DEFAULT_SPIN, Answers, DoneSignal, NotifyingFlags, SpinRate
 from torchrl_ext._options import Options
-from torchrl_ext._step_path import WorkerPlan
+from torchrl_ext._step_path import STEP_AND_MAYBE_RESET, STEP_BYTES, WorkerPlan
 
 # TorchRL 0.10 has no shared done flags: its own event-based wait is kept there.
 needs_shared_flags = pytest.mark.skipif(not HAS_DAEMON_KWARG, reason="TorchRL < 0.11 has no shared flags")
@@ -311,6 +313,29 @@ def test_workers_spin_for_commands_as_spin_wait_says(spin_wait: float | None, ex
     pipe = Pipe(after=None)
     _plan(spin=Options.validated(spin_wait=spin_wait).command_spin).await_command(pipe.poll)
     assert (pipe.polls > 0) == (expected > 0)
+
+
+@pytest.mark.parametrize("channel_type", [ParentChannel, RestartableChannel])
+def test_the_step_fan_out_writes_what_send_would_with_the_same_books(channel_type: type) -> None:
+    """``send_step`` (one write per worker per step) delivers the bytes ``send`` delivers for
+    the same message, and keeps the same books: the last command, the last message and the
+    answers owed (none: the done flag answers a step), the slot's hook (which sees every command)."""
+    ours, theirs = multiprocessing.Pipe()
+    with ours, theirs:
+        sent, fast = channel_type(ours), channel_type(ours)
+        sent.send(STEP_AND_MAYBE_RESET)
+        by_send = theirs.recv_bytes()
+        fast.send_step()
+        assert theirs.recv_bytes() == by_send == STEP_BYTES
+        assert ForkingPickler.loads(by_send) == STEP_AND_MAYBE_RESET
+        assert not theirs.poll()  # one message each, nothing more
+        assert vars(fast) == vars(sent) | {"on_eof": None}
+        if channel_type is RestartableChannel:
+            assert fast.owed == 0 and fast.last_message == STEP_AND_MAYBE_RESET
+            seen: list[Any] = []
+            fast.hook = lambda message: seen.append(message) or (None, None)  # handled: not sent
+            fast.send_step()
+            assert seen == [STEP_AND_MAYBE_RESET] and not theirs.poll()
 
 
 def test_spin_wait_is_validated() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import multiprocessing.connection
 import multiprocessing.synchronize
 import os
 import pickle
@@ -489,3 +490,22 @@ def test_death_detected_without_pidfds(monkeypatch: pytest.MonkeyPatch, tmp_path
         assert info.value.pid == victim and info.value.exitcode == -signal.SIGKILL
     finally:
         env.close()
+
+
+def test_the_supervisors_exit_poll_sees_what_multiprocessing_wait_sees() -> None:
+    """``WorkerSupervisor.poll`` asks which exit descriptors have an event with one ``poll``
+    call (after every batched step): the same answer as ``multiprocessing.connection.wait``
+    with no timeout, for a quiet pipe, one with data and one whose writer is gone."""
+    from torchrl_ext._supervisor import _ready_now
+
+    quiet, fed, hung = os.pipe(), os.pipe(), os.pipe()
+    try:
+        os.write(fed[1], b"x")
+        os.close(hung[1])
+        fds = [quiet[0], fed[0], hung[0]]
+        assert sorted(_ready_now(fds)) == sorted(multiprocessing.connection.wait(fds, timeout=0))
+        assert sorted(_ready_now(fds)) == sorted([fed[0], hung[0]])
+        assert _ready_now([]) == []
+    finally:
+        for fd in (*quiet, *fed, hung[0]):
+            os.close(fd)

@@ -11,7 +11,7 @@ once per spec::
     ParentPlan.write_inputs
       input key k: buffer[k].copy_(td[k])  (planned)
     for each slot i (all told before any wait):
-      channel.send(STEP_AND_MAYBE_RESET) ------- pipe, the same bytes every step -------->
+      channel.send_step()   ------------ pipe, one write of STEP_WIRE -------------->
                                                             recv_bytes() == STEP_BYTES:
                                                             WorkerPlan.step_and_maybe_reset
                                                               td, root = env.step_and_maybe_reset(R)
@@ -38,7 +38,9 @@ a parent call the plan does not cover (partial steps, a collector's excluded key
 itself (so one root view carries whatever the env leaves in its input between calls), and
 leaves every other command (init, seed, close, state dicts, forwarded calls, the recycler's
 prepared reset) to TorchRL's loop. The most frequent message is pickled once
-(:data:`STEP_BYTES`): the worker compares bytes before unpickling anything.
+(:data:`STEP_BYTES`; the parent writes it framed as ``Connection.send_bytes`` frames it,
+:data:`STEP_WIRE`, in one system call per worker): the worker compares bytes before unpickling
+anything.
 
 Which path an env runs and why: :func:`parent_reason` (``None``: ours), reported by
 ``ManagedParallelEnv.step_path`` and ``stats()`` (``managed_step_path``, ``managed_steps``).
@@ -47,6 +49,7 @@ Which path an env runs and why: :func:`parent_reason` (``None``: ours), reported
 from __future__ import annotations
 
 import os
+import struct
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.reduction import ForkingPickler
@@ -62,6 +65,7 @@ __all__ = [
     "STEP_AND_MAYBE_RESET",
     "STEP_BYTES",
     "STEP_PATH_VAR",
+    "STEP_WIRE",
     "TENSORDICT_PRIVATES",
     "ParentPlan",
     "StepPath",
@@ -78,6 +82,9 @@ STEP_PATH_VAR = "TORCHRL_EXT_STEP_PATH"
 STEP_AND_MAYBE_RESET: tuple[str, dict[str, Any]] = ("step_and_maybe_reset", {})
 #: The same, pickled once: the bytes a worker recognises before unpickling anything.
 STEP_BYTES: bytes = bytes(ForkingPickler.dumps(STEP_AND_MAYBE_RESET))
+#: The same message as ``multiprocessing.connection.Connection.send_bytes`` writes it (a 4-byte
+#: big-endian length, then the bytes): what the parent writes to each worker's pipe, in one write.
+STEP_WIRE: bytes = struct.pack("!i", len(STEP_BYTES)) + STEP_BYTES
 
 Key = str | tuple[str, ...]
 
@@ -421,7 +428,7 @@ def step_and_maybe_reset(
         slots = range(env.num_workers)
         channels = Upstream(env).channels
         for i in slots:  # every worker told before the wait
-            channels[i].send(STEP_AND_MAYBE_RESET)
+            channels[i].send_step()
         env._wait_for_workers(slots)
         next_td, root = plan.read_outputs()
     tensordict.set("next", next_td)

@@ -21,13 +21,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import multiprocessing.connection
 import os
+import select
 import shutil
 import signal
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import psutil
@@ -57,6 +58,16 @@ LOST_PIPE_WAIT = 1.0
 #: Longest :meth:`WorkerSupervisor.poll` waits for another thread to finish handling an exit
 #: (reading its status and killing its tree, each bounded well within this).
 HANDLED_WAIT = 30.0
+
+
+def _ready_now(fds: Iterable[int]) -> list[int]:
+    """The descriptors of ``fds`` with an event now (readable, hung up or closed), as
+    ``multiprocessing.connection.wait(fds, timeout=0)`` answers, without its selector object:
+    :meth:`WorkerSupervisor.poll` runs after every batched step."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return [fd for fd, _ in poller.poll(0)]
 
 
 class WorkerSupervisor:
@@ -322,8 +333,8 @@ class WorkerSupervisor:
             worker.handled.wait(HANDLED_WAIT)
         if not pending:
             return
-        for fd in multiprocessing.connection.wait(list(pending), timeout=0):
-            self._on_exit(pending[fd])  # type: ignore[index]
+        for fd in _ready_now(pending):
+            self._on_exit(pending[fd])
         for worker in pending.values():
             if worker.pidfd is None and not worker.finished and worker.exited():
                 self._on_exit(worker)
