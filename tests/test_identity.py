@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from tests.test_close import _STRANGER  # leads its own group, one child in it
 from torchrl_ext import _identity
 from torchrl_ext._identity import same_process, start_time, tree
+from torchrl_ext._starting import StartingWorker
 
 
 @pytest.fixture
@@ -53,6 +55,20 @@ def test_a_stranger_born_whole_seconds_after_a_dead_worker_is_not_that_worker(
     found = tree(dead_worker, include_workers=False, dying=True)
     assert helper not in {p.pid for p in found}, "the stranger's child was taken for the dead worker's"
     assert not found
+
+
+@pytest.mark.compat
+@pytest.mark.skipif(not _identity._PROC_STAT, reason="start times are the kernel's only on Linux")
+def test_a_starting_worker_whose_pid_was_reused_is_not_killed(stranger: tuple[psutil.Process, int]) -> None:
+    """A worker being started that does not answer its hand-off in time is killed by identity:
+    a stranger that holds its pid now (born after it) is left alone; the worker itself is killed."""
+    proc, _ = stranger
+    born = start_time(proc)
+    process = SimpleNamespace(pid=proc.pid)
+    StartingWorker(0, process, None, None, 0.0, create_time=born - 1).kill()  # an earlier process's pid
+    assert proc.status() != psutil.STATUS_ZOMBIE
+    StartingWorker(0, process, None, None, 0.0, create_time=born).kill()
+    assert proc.wait(timeout=60) == -signal.SIGKILL
 
 
 @pytest.mark.compat

@@ -31,7 +31,9 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import _platform
+import psutil
+
+from . import _identity, _platform
 from ._compat import PER_START_KWARGS, WORKER_KWARGS, Upstream
 from ._cpython import copy_unstarted_process, process_kwargs, process_start_method
 from ._done_signal import Answers
@@ -120,6 +122,17 @@ class StartingWorker:
     handoff: Any = None
     #: Set once it said it built its env and was sent "init".
     ready: bool = False
+    #: Its start time as ``_identity`` reads it, taken right after its start (0.0: it was
+    #: gone by then); :meth:`kill` signals only the process that has it.
+    create_time: float = 0.0
+
+    def kill(self) -> None:
+        """SIGKILL it, if its pid still is the process started (never a reused pid: a
+        fork-server child is not ours to reap, so its pid may be reused once it died)."""
+        proc = _identity.same_process(self.process.pid, self.create_time)
+        if proc is not None:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
 
 
 class WorkerStarter:
@@ -169,7 +182,10 @@ class WorkerStarter:
             process.start()
         child_pipe.close()
         handoff = self.handoffs[slot] if self.handoffs is not None else None
-        return StartingWorker(slot, process, parent_pipe, event, time.monotonic(), handoff)
+        worker = StartingWorker(slot, process, parent_pipe, event, time.monotonic(), handoff)
+        with contextlib.suppress(psutil.Error):
+            worker.create_time = _identity.start_time(psutil.Process(process.pid))
+        return worker
 
     @contextlib.contextmanager
     def recording_handoff(self, env: Upstream) -> Iterator[None]:
@@ -323,7 +339,7 @@ def hand_off(worker: StartingWorker, limit: float) -> bool:
         return False
     channel.send(worker.handoff)
     if not multiprocessing.connection.wait([channel, worker.process.sentinel], timeout=limit):
-        worker.process.kill()  # its loss is handled by the supervisor, as any death
+        worker.kill()  # its loss is handled by the supervisor, as any death
         return False
     try:
         return bool(channel.recv() == "started")
