@@ -269,6 +269,16 @@ def test_one_admitted_connection_carries_every_fork_request(monkeypatch: pytest.
     finally:
         env.close(raise_if_closed=False)
     assert answered == [], "the workers were asked for over the connection already admitted"
+    # A connection the server no longer serves is replaced, and answers the challenge again.
+    kept = _forkserver._SERVER._client
+    assert kept is not None
+    kept.shutdown(socket.SHUT_RDWR)
+    replaced = ManagedParallelEnv(1, fn, daemon_workers=False)
+    try:
+        assert replaced.reset()["observation"].shape == (1, 4)
+    finally:
+        replaced.close(raise_if_closed=False)
+    assert len(answered) == 1 and _forkserver._SERVER._client is answered[0]
     server = _forkserver.server_key()
     assert server is not None
     # A second client, admitted, sends two requests on its connection; each gets a child that

@@ -474,8 +474,9 @@ class _PreloadFailed(Exception):
 # accept and three exchanges of the challenge before the fork (measured: ~1-2 ms of both
 # processes' time per worker, the server's and the owner's turns in a row while the owner
 # waits for the pid). A forked copy of the owner closes its copy of the connection
-# (``_Server.in_child``); a server that died takes the connection with it, and the next start
-# opens one to its replacement.
+# (``_Server.in_child``). A request that the kept connection cannot carry (the server closed
+# it) is sent once more over a new one, challenged again; one that a new connection cannot
+# carry fails the start, and a server that died is replaced at the next start.
 def _digest(key: bytes, nonce: bytes) -> bytes:
     return hmac.new(key, _CHALLENGE + nonce, "sha256").digest()
 
@@ -752,21 +753,26 @@ class _Server:
             self.ensure_running()
             address, alive_fd, key = self.address, self._alive_fd, self._authkey
             assert address is not None and alive_fd is not None and key is not None
-            if self._client is None:  # one connection, authenticated once (NOTE [pipelined starts])
-                client = socket.socket(socket.AF_UNIX)
+            while True:
+                fresh = self._client is None
+                if fresh:  # NOTE [one connection]
+                    client = socket.socket(socket.AF_UNIX)
+                    try:
+                        client.connect(address)
+                        _authenticate(client, key)
+                    except BaseException:
+                        client.close()
+                        raise
+                    self._client = client
+                assert self._client is not None
                 try:
-                    client.connect(address)
-                    _authenticate(client, key)
-                except BaseException:
-                    client.close()
-                    raise
-                self._client = client
-            try:
-                return request_fork(self._client, alive_fd, fds)
-            except OSError:  # the server is gone: the next start replaces it
-                self._client.close()
-                self._client = None
-                raise
+                    return request_fork(self._client, alive_fd, fds)
+                except OSError:
+                    self._client.close()
+                    self._client = None
+                    if fresh:  # the server is gone or refuses us: the next start replaces it
+                        raise
+                    # The server closed the connection kept from before: ask over a new one.
 
     def _start_server(self) -> None:
         modules = ["__main__", *self._wanted]
