@@ -519,9 +519,8 @@ class _PreloadFailed(Exception):
 # request and keeps it as long as the server runs (``_Server._client``, under the server's
 # lock), so it answers the challenge once per server, not once per worker: starting a worker
 # costs one message to a server already listening on that connection, not a connect, an
-# accept and three exchanges of the challenge before the fork (measured: ~1-2 ms of both
-# processes' time per worker, the server's and the owner's turns in a row while the owner
-# waits for the pid). A forked copy of the owner closes its copy of the connection
+# accept and three exchanges of the challenge (each a turn of the owner, then of the server)
+# before each fork. A forked copy of the owner closes its copy of the connection
 # (``_Server.in_child``). A request that the kept connection cannot carry (the server closed
 # it) is sent once more over a new one, challenged again; one that a new connection cannot
 # carry fails the start, and a server that died is replaced at the next start.
