@@ -534,8 +534,7 @@ class _PreloadFailed(Exception):
 # waiting for the owner to be scheduled between two workers (two wake-ups per worker, which
 # cost more than the fork itself on a busy machine). A process that the server ended before
 # forking has no pid (``None``, as a process never started) and exit code 255; nothing signals
-# it (``_ServerChild._send_signal``), the start sequence leaves it out (:func:`forked`), and the
-# start of one replacement worker (``_starting``) waits for its pid and fails without one.
+# it (``_ServerChild._send_signal``), and the start sequence leaves it out (:func:`forked`).
 def _digest(key: bytes, nonce: bytes) -> bytes:
     return hmac.new(key, _CHALLENGE + nonce, "sha256").digest()
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import _forkserver, _platform
+from . import _platform
 from ._compat import PER_START_KWARGS, WORKER_KWARGS, Upstream
 from ._cpython import copy_unstarted_process, process_kwargs, process_start_method
 from ._done_signal import Answers
@@ -168,9 +168,6 @@ class WorkerStarter:
         with self.plan.tagged(tag):
             process.start()
         child_pipe.close()
-        if not _forkserver.forked(process):  # one worker: nothing to pipeline, wait for its pid
-            parent_pipe.close()
-            raise EOFError(f"the preloaded fork server ended before it forked the new worker {slot}")
         handoff = self.handoffs[slot] if self.handoffs is not None else None
         return StartingWorker(slot, process, parent_pipe, event, time.monotonic(), handoff)
 
