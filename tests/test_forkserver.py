@@ -209,19 +209,18 @@ def test_unauthenticated_connections_fork_nothing_and_the_server_serves_on() -> 
             client.connect(address)
             alive_r, alive_w = os.pipe()
             try:
-                status_r, pid_r, data_w = _forkserver.request_fork(client, alive_r, [])
+                status_r, data_w = _forkserver.request_fork(client, alive_r, [])
             finally:
                 os.close(alive_r)
                 os.close(alive_w)
             client.shutdown(socket.SHUT_WR)
             try:
                 wait_until(lambda: _closed_by_peer(client), "the server closed the connection")
-                for pipe in (pid_r, status_r):
-                    wait_until(lambda p=pipe: select.select([p], [], [], 0)[0], "the request's pipe ended")
-                    assert os.read(pipe, 8) == b"", "the server answered: it forked a process"
+                wait_until(lambda: select.select([status_r], [], [], 0)[0], "the request's pipe ended")
+                assert os.read(status_r, 8) == b"", "the server sent a pid: it forked a process"
             finally:
-                for fd in (status_r, pid_r, data_w):
-                    os.close(fd)
+                os.close(status_r)
+                os.close(data_w)
         # A wrong key.
         with socket.socket(socket.AF_UNIX) as client:
             client.connect(address)
@@ -290,17 +289,15 @@ def test_one_admitted_connection_carries_every_fork_request(monkeypatch: pytest.
             client.connect(address)
             real(client, key)
             for code in (5, 6):
-                status_r, pid_r, data_w = _forkserver.request_fork(client, alive_r, [])
+                status_r, data_w = _forkserver.request_fork(client, alive_r, [])
                 with open(data_w, "wb", closefd=True) as data:
                     data.write(pickle.dumps({}) + pickle.dumps(_ExitWith(code)))
                 try:
-                    wait_until(lambda r=pid_r: select.select([r], [], [], 0)[0], "the server sent a pid")
-                    assert multiprocessing.forkserver.read_signed(pid_r) > 0
-                    wait_until(lambda r=status_r: select.select([r], [], [], 0)[0], "the child exited")
+                    wait_until(lambda r=status_r: select.select([r], [], [], 0)[0], "the server sent a pid")
+                    assert multiprocessing.forkserver.read_signed(status_r) > 0
                     assert multiprocessing.forkserver.read_signed(status_r) == code
                 finally:
                     os.close(status_r)
-                    os.close(pid_r)
     finally:
         os.close(alive_r)
         os.close(alive_w)
@@ -310,39 +307,6 @@ def test_one_admitted_connection_carries_every_fork_request(monkeypatch: pytest.
         assert _forkserver.server_key() == server, "the same server goes on serving"
     finally:
         again.close(raise_if_closed=False)
-
-
-def test_a_process_the_server_never_forked_has_no_pid_and_is_not_signalled(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """NOTE [pipelined starts]: ``start()`` does not wait for the pid; a server that ends before
-    the fork leaves a process with no pid, exit code 255, which nothing signals."""
-    held: list[int] = []
-
-    def server_that_ends_first(fds: object) -> tuple[int, int, int]:
-        status_r, status_w = os.pipe()
-        pid_r, pid_w = os.pipe()
-        data_r, data_w = os.pipe()
-        held.append(data_r)  # it took the request, then ended: no pid, no exit status
-        os.close(status_w)
-        os.close(pid_w)
-        return status_r, pid_r, data_w
-
-    monkeypatch.setattr(_forkserver, "_connect", [server_that_ends_first])
-    process = _forkserver._CONTEXT.Process(target=print)
-    try:
-        process.start()  # returns without a pid
-        assert not _forkserver.forked(process)
-        assert process.pid is None
-        process.terminate()  # no pid: nothing to signal (os.kill(None, ...) would raise)
-        process.kill()
-        process.join(timeout=5)
-        assert process.exitcode == 255
-        assert "pid=None" in repr(process)
-    finally:
-        for fd in held:
-            os.close(fd)
-    assert _forkserver.forked(multiprocessing.current_process())
 
 
 def test_the_server_key_is_neither_on_its_command_line_nor_in_its_environment() -> None:

@@ -41,7 +41,6 @@ __all__ = [
     "is_forkserver_child",
     "is_multiprocessing_helper",
     "missing",
-    "popen_of",
     "process_kwargs",
     "process_start_method",
     "process_target",
@@ -148,9 +147,6 @@ INVENTORY: tuple[Internal, ...] = (
            "self process_obj", "", "multiprocessing.popen_forkserver.Popen"),
     _entry("multiprocessing.popen_forkserver:Popen.__init__", _S, "the fds a fork request carries", "",
            "_fds", "._fds", owner="_forkserver"),
-    _entry("multiprocessing.popen_fork:Popen._send_signal", _C, "overridden: a process the server never "
-           "forked is not signalled (NOTE [pipelined starts])", "self sig", "self.pid", "._send_signal",
-           owner="_forkserver"),
     _entry("multiprocessing.connection:arbitrary_address", _C, "our server's socket path", "family",
            owner="_forkserver"),
     _entry("multiprocessing.util:is_abstract_socket_namespace", _C, "whether it is a file", "address",
@@ -315,11 +311,6 @@ def is_forkserver_child(process: Any) -> bool:
     """Whether ``process`` was started by a fork server (``multiprocessing``'s or ours): its
     exit status then comes from the server, not from ``waitpid``."""
     return isinstance(getattr(process, "_popen", None), multiprocessing.popen_forkserver.Popen)
-
-
-def popen_of(process: Any) -> Any:
-    """The ``Popen`` of a started ``process`` (``None`` before it started)."""
-    return getattr(process, "_popen", None)
 
 
 def daemon_in_config(process: Any) -> bool:

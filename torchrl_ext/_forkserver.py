@@ -92,7 +92,6 @@ from ._wait import on, wait_for
 __all__ = [
     "BASE_PRELOAD",
     "context",
-    "forked",
     "server_key",
     "server_kind",
     "start_method_chosen_by_user",
@@ -186,33 +185,27 @@ def is_abstract_address(address: Any) -> bool:
     return bool(multiprocessing.util.is_abstract_socket_namespace(address))
 
 
-#: How many fds of a fork request are the protocol's own (data, status, pid, alive, tracker).
-_REQUEST_FDS = 5
-
-
-def request_fork(client: socket.socket, alive_fd: int, fds: Sequence[int]) -> tuple[int, int, int]:
+def request_fork(client: socket.socket, alive_fd: int, fds: Sequence[int]) -> tuple[int, int]:
     """Ask a fork server, over the connected ``client``, for a child inheriting ``fds``.
 
-    Returns ``(status_r, pid_r, data_w)``: the child's exit status arrives on the first (EOF
-    without one: the server ended first), its pid on the second, as soon as it is forked
-    (NOTE [pipelined starts]); the preparation data and the pickled process go to the third.
+    Returns ``(status_r, data_w)``: the child's pid and then its exit status arrive on the
+    first; the preparation data and the pickled process go to the second.
     """
-    if len(fds) + _REQUEST_FDS > multiprocessing.forkserver.MAXFDS_TO_SEND:
+    if len(fds) + 4 >= multiprocessing.forkserver.MAXFDS_TO_SEND:
         raise ValueError(f"too many fds for one fork request ({len(fds)})")
     status_r, child_w = os.pipe()
-    pid_r, pid_w = os.pipe()
     child_r, data_w = os.pipe()
     try:
         tracker_fd: Any = multiprocessing.resource_tracker.getfd()  # running: an int
-        multiprocessing.reduction.sendfds(client, [child_r, child_w, pid_w, alive_fd, tracker_fd, *fds])
+        multiprocessing.reduction.sendfds(client, [child_r, child_w, alive_fd, tracker_fd, *fds])
     except BaseException:
-        for fd in (status_r, pid_r, data_w):
-            os.close(fd)
+        os.close(status_r)
+        os.close(data_w)
         raise
     finally:
-        for fd in (child_r, child_w, pid_w):
-            os.close(fd)
-    return status_r, pid_r, data_w
+        os.close(child_r)
+        os.close(child_w)
+    return status_r, data_w
 
 
 def serve_forkserver(listener_fd: int, alive_r: int, admit: Callable[[socket.socket], bool]) -> None:
@@ -220,8 +213,8 @@ def serve_forkserver(listener_fd: int, alive_r: int, admit: Callable[[socket.soc
     ``admit(conn)`` admits stays open (NOTE [one connection]): each fork request on it
     (``multiprocessing``'s message, one byte and the fds: :func:`request_fork`) gets a child
     that runs the process sent to it, and the client learns the child's pid on the request's
-    pid pipe and, once it exits, its exit status on its status pipe. A refused, broken or
-    ended connection is closed and the loop goes on."""
+    status pipe and, once it exits, its exit status. A refused, broken or ended connection is
+    closed and the loop goes on."""
     wake_r, wake_w = os.pipe()  # SIGCHLD writes here (signal.set_wakeup_fd)
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -307,12 +300,12 @@ def _fork_one(
     except (OSError, RuntimeError) as exc:
         log.debug("fork server: a fork request carried no fds (%s)", exc)
         return False
-    if not _REQUEST_FDS <= len(fds) <= multiprocessing.forkserver.MAXFDS_TO_SEND:
+    if not 4 <= len(fds) <= multiprocessing.forkserver.MAXFDS_TO_SEND:
         log.debug("fork server: refused a fork request of %d fds", len(fds))
         for fd in fds:
             os.close(fd)
         return False
-    data_r, status_w, pid_w, *inherited = fds  # inherited: the owner's alive fd, the tracker's, the process's
+    data_r, status_w, *inherited = fds  # inherited: the owner's alive fd, the tracker's, the process's
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -320,7 +313,7 @@ def _fork_one(
             for sock in sockets:
                 sock.close()
             selector.close()
-            unused = [*server_fds, status_w, pid_w]
+            unused = [*server_fds, status_w]
             code = multiprocessing.forkserver._serve_one(  # type: ignore[attr-defined]
                 data_r, inherited, unused, handlers
             )
@@ -330,64 +323,25 @@ def _fork_one(
         finally:
             os._exit(code)
     with contextlib.suppress(BrokenPipeError):  # the client is gone; the child's exit is still reaped
-        multiprocessing.forkserver.write_signed(pid_w, pid)
+        multiprocessing.forkserver.write_signed(status_w, pid)
     status_of[pid] = status_w
-    for fd in (data_r, pid_w, *inherited):
+    for fd in (data_r, *inherited):
         os.close(fd)
     return True
 
 
-_connect: list[Callable[[Sequence[int]], tuple[int, int, int]]] = []
-
-
-def _close_open(fds: list[int]) -> None:
-    """Close the fds still in ``fds`` (a list another owner may empty first), once."""
-    while fds:
-        with contextlib.suppress(OSError):
-            os.close(fds.pop())
+_connect: list[Callable[[Sequence[int]], tuple[int, int]]] = []
 
 
 class _ServerChild(_cpython.ForkServerPopen):
     """A child forked by the server :func:`forkserver_context` was given. Its exit status is
     read under a lock: two threads reading it at once (a supervisor's and the main thread's)
     would make one of them see EOF and record 255 (``multiprocessing``'s own forkserver
-    ``Popen`` has that race). Its pid is read when first asked for (NOTE [pipelined starts])."""
+    ``Popen`` has that race)."""
 
     def __init__(self, process_obj: Any) -> None:
         self._status_lock = threading.Lock()
-        self._pid_lock = threading.Lock()
-        #: The pid pipe's read end until the pid is read from it (then empty); ``_pid_lock``.
-        self._pid_fd: list[int] = []
-        #: The child's pid once read; ``None`` before, or when the server ended before forking it.
-        self._pid: int | None = None
         super().__init__(process_obj)
-
-    @property  # type: ignore[override]
-    def pid(self) -> int | None:
-        """The child's pid, waiting for the fork if the server has not made it yet; ``None``
-        (as for a process never started) when the server ended before it forked this one:
-        there is no child, nothing to signal or watch (:func:`forked`)."""
-        self.forked()
-        return self._pid
-
-    @pid.setter
-    def pid(self, value: int | None) -> None:
-        self._pid = value
-
-    def forked(self) -> bool:
-        """Whether the server forked this process (read from its pid pipe, waiting for it)."""
-        with self._pid_lock:
-            if self._pid_fd:
-                try:
-                    self._pid = multiprocessing.forkserver.read_signed(self._pid_fd[0])
-                except (OSError, EOFError):
-                    self._pid = None
-                _close_open(self._pid_fd)
-            return self._pid is not None
-
-    def _send_signal(self, sig: int) -> None:
-        if self.forked():  # else there is no child, and its exit status reads 255
-            super()._send_signal(sig)  # type: ignore[misc]
 
     def _launch(self, process_obj: Any) -> None:
         data = io.BytesIO()
@@ -398,16 +352,14 @@ class _ServerChild(_cpython.ForkServerPopen):
             multiprocessing.reduction.dump(process_obj, data)
         finally:
             multiprocessing.context.set_spawning_popen(None)
-        self.sentinel, pid_r, write_fd = _connect[0](self.__dict__["_fds"])
-        self._pid_fd.append(pid_r)
+        self.sentinel, write_fd = _connect[0](self.__dict__["_fds"])
         # The child watches a duplicate of the data pipe's write end to see this process die.
         keep = os.dup(write_fd)
         close_fds = multiprocessing.util.close_fds  # type: ignore[attr-defined]
         self.finalizer = _cpython.finalize(self, close_fds, (keep, self.sentinel))
-        _cpython.finalize(self, _close_open, (self._pid_fd,))
         with open(write_fd, "wb", closefd=True) as pipe:
             pipe.write(data.getbuffer())
-        # The pid is not waited for here (NOTE [pipelined starts]).
+        self.pid = multiprocessing.forkserver.read_signed(self.sentinel)
 
     def poll(self, flag: int = os.WNOHANG) -> int | None:
         if self.returncode is None:
@@ -439,9 +391,9 @@ class _ServerContext(multiprocessing.context.ForkServerContext):
     Process = ForkServerProcess
 
 
-def forkserver_context(connect: Callable[[Sequence[int]], tuple[int, int, int]]) -> Any:
-    """A forkserver context whose processes come from ``connect(fds) -> (status_r, pid_r,
-    data_w)`` (see :func:`request_fork`); one per process (a later call replaces ``connect``)."""
+def forkserver_context(connect: Callable[[Sequence[int]], tuple[int, int]]) -> Any:
+    """A forkserver context whose processes come from ``connect(fds) -> (status_r, data_w)``
+    (see :func:`request_fork`); one per process (a later call replaces ``connect``)."""
     _connect[:] = [connect]
     return _ServerContext()
 
@@ -524,17 +476,6 @@ class _PreloadFailed(Exception):
 # (``_Server.in_child``). A request that the kept connection cannot carry (the server closed
 # it) is sent once more over a new one, challenged again; one that a new connection cannot
 # carry fails the start, and a server that died is replaced at the next start.
-#
-# NOTE [pipelined starts]: the server writes a child's pid on a pipe of its own, apart from the
-# status pipe (the process's sentinel, which turns readable only at the child's exit, or at EOF
-# when the server ended first), and the owner does not wait for the pid when it starts a
-# process: it sends the request and the process's data and returns, and reads the pid when it
-# is first asked for (``_ServerChild.pid``). TorchRL's start loop therefore sends every
-# request before the first fork has finished, and the server forks them back to back, without
-# waiting for the owner to be scheduled between two workers (two wake-ups per worker, which
-# cost more than the fork itself on a busy machine). A process that the server ended before
-# forking has no pid (``None``, as a process never started) and exit code 255; nothing signals
-# it (``_ServerChild._send_signal``), and the start sequence leaves it out (:func:`forked`).
 def _digest(key: bytes, nonce: bytes) -> bytes:
     return hmac.new(key, _CHALLENGE + nonce, "sha256").digest()
 
@@ -804,9 +745,9 @@ class _Server:
                 self._forget()
             self._start_server()
 
-    def connect_to_new_process(self, fds: Sequence[int]) -> tuple[int, int, int]:
+    def connect_to_new_process(self, fds: Sequence[int]) -> tuple[int, int]:
         """Ask the server (started if needed) for a child inheriting ``fds``; returns
-        ``(status_r, pid_r, data_w)`` (see :func:`request_fork`)."""
+        ``(status_r, data_w)`` (see :func:`request_fork`)."""
         with self._server_lock:
             self.ensure_running()
             address, alive_fd, key = self.address, self._alive_fd, self._authkey
@@ -1088,13 +1029,6 @@ def context(modules: Iterable[str] = ()) -> multiprocessing.context.BaseContext:
     _SERVER.want(modules)
     _SERVER.ensure_running()
     return _CONTEXT
-
-
-def forked(process: Any) -> bool:
-    """Whether ``process`` (started) exists: false only for a process of the preloaded context
-    whose server ended before it forked it (NOTE [pipelined starts]); waits for the fork."""
-    popen = _cpython.popen_of(process)
-    return not isinstance(popen, _ServerChild) or popen.forked()
 
 
 def server_key() -> _identity.ProcessKey | None:

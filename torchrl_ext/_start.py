@@ -21,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from . import _forkserver, _identity, _lifecycle, _platform, _reaper_client, _stacks
+from . import _identity, _lifecycle, _platform, _reaper_client, _stacks
 from ._compat import Upstream, describe_factory
 from ._done_signal import has_spare_core
 from ._errors import DaemonicParentError, WorkerStartTimeoutError, unpicklable_note
@@ -125,8 +125,6 @@ class StartWatch:
             return
         for index, process in enumerate(list(self.env.workers or [])):
             report = self.supervisor.report_path(index)
-            if not _forkserver.forked(process):
-                continue  # the preloaded server ended before it forked this one
             pid = process.pid
             if pid is None or os.path.exists(_stacks.built_path(report)) or process.exitcode is not None:
                 continue
@@ -231,11 +229,6 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
         upstream.env_kwargs = user_kwargs
     processes: list[Any] = upstream.workers
     try:
-        if not all(_forkserver.forked(p) for p in processes):  # NOTE [pipelined starts]
-            raise RuntimeError(
-                f"{label}: the preloaded fork server ended while it started the workers; start "
-                "the env again (a new server starts), or pass mp_start_method='spawn'."
-            )
         if check_after:
             _check_restartable(upstream, resolved_by_torchrl=True)
         keeper.adopt(started, len(processes), plan, fifo)
@@ -300,15 +293,12 @@ def abort_start(
 ) -> BaseException | None:
     """Undo a failed start: kill what started; the failure that explains it, if a worker's."""
     upstream = Upstream(env)
-    # A process that the preloaded server ended before forking does not exist: nothing to end.
-    pairs = zip(upstream.workers or [], upstream.channels or [], strict=False)
-    started = [(worker, channel) for worker, channel in pairs if _forkserver.forked(worker)]
-    workers = [worker for worker, _ in started]
-    channels = [channel for _, channel in started]
+    workers = list(upstream.workers or [])
+    channels = list(upstream.channels or [])
     failure: BaseException | None = None
     try:
         if workers:
-            supervisor.attach(workers, channels)
+            supervisor.attach(workers, channels[: len(workers)])
             if not isinstance(err, KeyboardInterrupt | SystemExit):
                 supervisor.failure(wait=1.0)
                 failure = supervisor.startup_failure()
