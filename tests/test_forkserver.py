@@ -8,6 +8,7 @@ import functools
 import logging
 import multiprocessing
 import os
+import pickle
 import select
 import signal
 import socket
@@ -236,6 +237,76 @@ def test_unauthenticated_connections_fork_nothing_and_the_server_serves_on() -> 
             other.close(raise_if_closed=False)
     finally:
         env.close(raise_if_closed=False)
+
+
+class _ExitWith:
+    """What a fork request runs: ``multiprocessing``'s child calls its ``_bootstrap`` and exits
+    with the code it returns."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def _bootstrap(self, parent_sentinel: int | None = None) -> int:
+        return self.code
+
+
+def test_one_admitted_connection_carries_every_fork_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [one connection]: the owner answers the challenge once per server, not once per
+    worker; an admitted connection carries several requests, and one that hangs up leaves the
+    server serving."""
+    fn = functools.partial(make_env)
+    first = ManagedParallelEnv(1, fn, daemon_workers=False)
+    assert first.start_method == "preloaded"
+    first.close(raise_if_closed=False)  # the server runs on
+    key, address = _forkserver._SERVER._authkey, _forkserver._SERVER.address
+    assert key is not None and address is not None and _forkserver._SERVER._client is not None
+    answered: list[socket.socket] = []
+    real = _forkserver._authenticate
+    monkeypatch.setattr(_forkserver, "_authenticate", lambda c, k: (answered.append(c), real(c, k))[1])
+    env = ManagedParallelEnv(3, fn, daemon_workers=False)
+    try:
+        assert env.reset()["observation"].shape == (3, 4)
+    finally:
+        env.close(raise_if_closed=False)
+    assert answered == [], "the workers were asked for over the connection already admitted"
+    # A connection the server no longer serves is replaced, and answers the challenge again.
+    kept = _forkserver._SERVER._client
+    assert kept is not None
+    kept.shutdown(socket.SHUT_RDWR)
+    replaced = ManagedParallelEnv(1, fn, daemon_workers=False)
+    try:
+        assert replaced.reset()["observation"].shape == (1, 4)
+    finally:
+        replaced.close(raise_if_closed=False)
+    assert len(answered) == 1 and _forkserver._SERVER._client is answered[0]
+    server = _forkserver.server_key()
+    assert server is not None
+    # A second client, admitted, sends two requests on its connection; each gets a child that
+    # runs what was sent to it (it exits with the code sent), then the client hangs up.
+    alive_r, alive_w = os.pipe()
+    try:
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(address)
+            real(client, key)
+            for code in (5, 6):
+                status_r, data_w = _forkserver.request_fork(client, alive_r, [])
+                with open(data_w, "wb", closefd=True) as data:
+                    data.write(pickle.dumps({}) + pickle.dumps(_ExitWith(code)))
+                try:
+                    wait_until(lambda r=status_r: select.select([r], [], [], 0)[0], "the server sent a pid")
+                    assert multiprocessing.forkserver.read_signed(status_r) > 0
+                    assert multiprocessing.forkserver.read_signed(status_r) == code
+                finally:
+                    os.close(status_r)
+    finally:
+        os.close(alive_r)
+        os.close(alive_w)
+    again = ManagedParallelEnv(2, fn, daemon_workers=False)
+    try:
+        assert again.reset()["observation"].shape == (2, 4)
+        assert _forkserver.server_key() == server, "the same server goes on serving"
+    finally:
+        again.close(raise_if_closed=False)
 
 
 def test_the_server_key_is_neither_on_its_command_line_nor_in_its_environment() -> None:

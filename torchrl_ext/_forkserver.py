@@ -209,11 +209,12 @@ def request_fork(client: socket.socket, alive_fd: int, fds: Sequence[int]) -> tu
 
 
 def serve_forkserver(listener_fd: int, alive_r: int, admit: Callable[[socket.socket], bool]) -> None:
-    """The server's loop, until ``alive_r`` reaches EOF (its owner let go): for every connection
-    that ``admit(conn)`` admits, read its fds and fork a child that runs the process sent to it,
-    tell the client the child's pid on the status pipe and, once it exits, its exit status.
-    Speaks ``multiprocessing``'s fork-server protocol (its clients are ``Popen``s like
-    :class:`_ServerChild`); a refused or broken connection is closed and the loop goes on."""
+    """The server's loop, until ``alive_r`` reaches EOF (its owner let go). A connection that
+    ``admit(conn)`` admits stays open (NOTE [one connection]): each fork request on it
+    (``multiprocessing``'s message, one byte and the fds: :func:`request_fork`) gets a child
+    that runs the process sent to it, and the client learns the child's pid on the request's
+    status pipe and, once it exits, its exit status. A refused, broken or ended connection is
+    closed and the loop goes on."""
     wake_r, wake_w = os.pipe()  # SIGCHLD writes here (signal.set_wakeup_fd)
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -221,6 +222,7 @@ def serve_forkserver(listener_fd: int, alive_r: int, admit: Callable[[socket.soc
     handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is the owner's
     signal.set_wakeup_fd(wake_w)
     status_of: dict[int, int] = {}  # child pid -> the status pipe its exit status goes to
+    clients: list[socket.socket] = []  # admitted connections
     listener = socket.socket(socket.AF_UNIX, fileno=listener_fd)
     with listener, selectors.DefaultSelector() as selector:
         for source in (listener, alive_r, wake_r):
@@ -234,9 +236,14 @@ def serve_forkserver(listener_fd: int, alive_r: int, admit: Callable[[socket.soc
                     os.read(wake_r, 65536)
                 _report_exits(status_of)
             if listener in ready:
+                _accept(listener, selector, admit, clients)
+            for client in [c for c in clients if c in ready]:
                 # The child must not keep the server's own fds, nor the other clients' pipes.
                 server_fds = [alive_r, wake_r, wake_w, *status_of.values()]
-                _fork_one(listener, selector, admit, server_fds, handlers, status_of)
+                if not _fork_one(client, [listener, *clients], selector, server_fds, handlers, status_of):
+                    selector.unregister(client)
+                    clients.remove(client)
+                    client.close()
 
 
 def _report_exits(status_of: dict[int, int]) -> None:
@@ -256,39 +263,55 @@ def _report_exits(status_of: dict[int, int]) -> None:
         os.close(status_w)
 
 
-def _fork_one(
+def _accept(
     listener: socket.socket,
     selector: selectors.BaseSelector,
     admit: Callable[[socket.socket], bool],
-    server_fds: list[int],
-    handlers: dict[Any, Any],
-    status_of: dict[int, int],
+    clients: list[socket.socket],
 ) -> None:
-    """Serve one connection: admitted, its fds read, one child forked for it."""
+    """Take one connection: kept (its requests served by :func:`_fork_one`) if admitted."""
     try:
         conn, _ = listener.accept()
     except OSError as exc:
         log.debug("fork server: accept failed (%s)", exc)
         return
-    with conn:
-        if not admit(conn):
-            return
-        try:
-            fds = multiprocessing.reduction.recvfds(conn, multiprocessing.forkserver.MAXFDS_TO_SEND + 1)
-        except (OSError, RuntimeError, EOFError) as exc:
-            log.debug("fork server: a fork request carried no fds (%s)", exc)
-            return
+    if not admit(conn):
+        conn.close()
+        return
+    clients.append(conn)
+    selector.register(conn, selectors.EVENT_READ)
+
+
+def _fork_one(
+    client: socket.socket,
+    sockets: list[socket.socket],
+    selector: selectors.BaseSelector,
+    server_fds: list[int],
+    handlers: dict[Any, Any],
+    status_of: dict[int, int],
+) -> bool:
+    """Serve one request of an admitted client: its fds read, one child forked for it, which
+    closes the server's ``sockets`` (its listener and clients) and ``server_fds``. False when
+    the connection ended or broke (the caller closes it)."""
+    try:
+        fds = multiprocessing.reduction.recvfds(client, multiprocessing.forkserver.MAXFDS_TO_SEND + 1)
+    except EOFError:  # the client closed it
+        return False
+    except (OSError, RuntimeError) as exc:
+        log.debug("fork server: a fork request carried no fds (%s)", exc)
+        return False
     if not 4 <= len(fds) <= multiprocessing.forkserver.MAXFDS_TO_SEND:
         log.debug("fork server: refused a fork request of %d fds", len(fds))
         for fd in fds:
             os.close(fd)
-        return
+        return False
     data_r, status_w, *inherited = fds  # inherited: the owner's alive fd, the tracker's, the process's
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            listener.close()
+            for sock in sockets:
+                sock.close()
             selector.close()
             unused = [*server_fds, status_w]
             code = multiprocessing.forkserver._serve_one(  # type: ignore[attr-defined]
@@ -304,6 +327,7 @@ def _fork_one(
     status_of[pid] = status_w
     for fd in (data_r, *inherited):
         os.close(fd)
+    return True
 
 
 _connect: list[Callable[[Sequence[int]], tuple[int, int]]] = []
@@ -441,6 +465,17 @@ class _PreloadFailed(Exception):
 # under the server's key, a random 32 bytes made per server and passed to it over its setup
 # pipe (never on its command line or in its environment). A wrong or missing answer (or none
 # within AUTH_TIMEOUT) closes the connection, logged at debug level, and the server goes on.
+#
+# NOTE [one connection]: an admitted connection stays open and carries any number of fork
+# requests, one after another, until its client closes it. The owner opens one at its first
+# request and keeps it as long as the server runs (``_Server._client``, under the server's
+# lock), so it answers the challenge once per server, not once per worker: starting a worker
+# costs one message to a server already listening on that connection, not a connect, an
+# accept and three exchanges of the challenge (each a turn of the owner, then of the server)
+# before each fork. A forked copy of the owner closes its copy of the connection
+# (``_Server.in_child``). A request that the kept connection cannot carry (the server closed
+# it) is sent once more over a new one, challenged again; one that a new connection cannot
+# carry fails the start, and a server that died is replaced at the next start.
 def _digest(key: bytes, nonce: bytes) -> bytes:
     return hmac.new(key, _CHALLENGE + nonce, "sha256").digest()
 
@@ -683,6 +718,9 @@ class _Server:
         #: Why the running server is not a zygote (``_platform.fork_unsafe_reason``), if so.
         self.fallback: str | None = None
         self.address: str | None = None
+        #: This process's connection to the server, admitted (NOTE [authenticated server]);
+        #: opened by the first fork request, closed with the server or in a forked copy.
+        self._client: socket.socket | None = None
         self._alive_fd: int | None = None
         self._authkey: bytes | None = None
 
@@ -713,11 +751,27 @@ class _Server:
         with self._server_lock:
             self.ensure_running()
             address, alive_fd, key = self.address, self._alive_fd, self._authkey
-        assert address is not None and alive_fd is not None and key is not None
-        with socket.socket(socket.AF_UNIX) as client:
-            client.connect(address)
-            _authenticate(client, key)
-            return request_fork(client, alive_fd, fds)
+            assert address is not None and alive_fd is not None and key is not None
+            while True:
+                fresh = self._client is None
+                if fresh:  # NOTE [one connection]
+                    client = socket.socket(socket.AF_UNIX)
+                    try:
+                        client.connect(address)
+                        _authenticate(client, key)
+                    except BaseException:
+                        client.close()
+                        raise
+                    self._client = client
+                assert self._client is not None
+                try:
+                    return request_fork(self._client, alive_fd, fds)
+                except OSError:
+                    self._client.close()
+                    self._client = None
+                    if fresh:  # the server is gone or refuses us: the next start replaces it
+                        raise
+                    # The server closed the connection kept from before: ask over a new one.
 
     def _start_server(self) -> None:
         modules = ["__main__", *self._wanted]
@@ -932,10 +986,12 @@ class _Server:
 
     def in_child(self) -> None:
         """A forked copy of the owner does not own the server."""
+        if self._client is not None:  # this process's copy only: the owner's stays open
+            self._client.close()
         self._proc = None
         self.key = None
         self.kind = self.fallback = None
-        self.address = self._alive_fd = self._authkey = None
+        self.address = self._alive_fd = self._authkey = self._client = None
 
 
 class _NoReport(PreloadError):
