@@ -12,7 +12,7 @@ import sys
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -438,6 +438,22 @@ class Scenario:
             raise AssertionError(
                 f"scenario never became ready in {timeout:g} s:\n{out}\n{err[-4000:]}"
             ) from None
+
+    def wait_seen(self, pids: Iterable[int], timeout: float = 60.0) -> None:
+        """Wait until the harness has seen every process of ``pids`` among the scenario's
+        descendants (it looks every 20 ms): a test that kills the scenario's main process right
+        after its processes announced themselves could otherwise kill it before the harness
+        saw the newest, and ``seen_before_death`` would lack it."""
+        wanted = set(pids)
+        seen_file = Path(f"{self.out}.seen")
+
+        def seen_all() -> bool:
+            try:
+                return wanted <= set(json.loads(seen_file.read_text()))
+            except (OSError, ValueError):
+                return False
+
+        wait_until(seen_all, f"the harness saw processes {sorted(wanted)}", timeout=timeout)
 
     def finish(self, timeout: float = 120.0) -> ScenarioResult:
         assert self.proc is not None

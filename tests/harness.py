@@ -43,6 +43,13 @@ def _reap_all() -> None:
         EXIT_CODES[pid] = os.waitstatus_to_exitcode(status)
 
 
+def _write_json(path: str, data: object) -> None:
+    """Write ``data`` to ``path`` at once (a reader never sees a partial file)."""
+    with open(path + ".tmp", "w") as fh:
+        json.dump(data, fh)
+    os.replace(path + ".tmp", path)
+
+
 def _describe(proc: psutil.Process) -> str:
     try:
         return " ".join(proc.cmdline())[:200]
@@ -59,9 +66,12 @@ def main() -> int:
     child = subprocess.Popen(cmd)
     seen: dict[int, dict[str, object]] = {}
     while child.poll() is None:
+        before = len(seen)
         for proc in me.children(recursive=True):
             if proc.pid not in seen:
                 seen[proc.pid] = {"pid": proc.pid, "cmdline": _describe(proc)}
+        if len(seen) > before:  # what a test waits for before it kills (Scenario.wait_seen)
+            _write_json(out_path + ".seen", sorted(seen))
         time.sleep(0.02)
     died_at = time.monotonic()
     result: dict[str, object] = {"returncode": child.returncode}

@@ -109,6 +109,7 @@ def test_sigkill_of_training_process_leaves_nothing(
     wait_until(lambda: len(_pids(pid_dir, "dl")) >= 8, "every DataLoader worker started", timeout=60)
     env_workers = {int(p.name.split("-")[1]) for p in pid_dir.glob("dl-*")}
     assert len(env_workers) == 2 * 2
+    scenario.wait_seen(set(ready["collector_workers"]) | env_workers | _pids(pid_dir, "dl"))
     os.kill(ready["pid"], signal.SIGKILL)
     result: ScenarioResult = scenario.finish(timeout=120)
     _reap_harness_orphans(result)

@@ -205,6 +205,7 @@ def test_sigkill_of_main_mid_long_step_leaves_nothing(
     assert ready["server_kind"] == {"preloaded": "zygote", "interpreter": "interpreter"}.get(method), ready
     # Kill the main process like the OOM killer would, once both workers are inside the step.
     wait_until(lambda: len(list(pid_dir.glob("stepping-*"))) >= 2, "both workers in the step", timeout=120)
+    scenario.wait_seen(ready["workers"])
     os.kill(ready["pid"], signal.SIGKILL)
     result = scenario.finish(timeout=120)
     assert result.returncode == -signal.SIGKILL
@@ -281,6 +282,7 @@ def test_sigkill_of_main_while_dataloaders_start(scenario: Scenario, tmp_path: P
     # can come later: the worker_init_fn never returns).
     assert len(list(pid_dir.glob("iter-*"))) == 2, "each worker built its DataLoader iterator"
     assert not list(pid_dir.glob("batch-*")), "a DataLoader delivered a batch: past the start"
+    scenario.wait_seen(int(p.read_text()) for p in [*starting, *pid_dir.glob("sim-*")])
     os.kill(ready["pid"], signal.SIGKILL)
     result = scenario.finish(timeout=120)
     assert result.returncode == -signal.SIGKILL, result.stderr

@@ -602,6 +602,7 @@ def test_sigkill_of_main_after_a_restart_leaves_nothing(
     assert ready["restarts"] == 1 and ready["lost"] not in ready["workers"]
     replacement = ready["workers"][1]
     assert len(_children_of(pid_dir, replacement)) == 3
+    scenario.wait_seen(ready["workers"])
     os.kill(ready["pid"], signal.SIGKILL)
     result = scenario.finish(timeout=120)
     assert result.returncode == -signal.SIGKILL
