@@ -316,26 +316,34 @@ def test_workers_spin_for_commands_as_spin_wait_says(spin_wait: float | None, ex
 
 
 @pytest.mark.parametrize("channel_type", [ParentChannel, RestartableChannel])
-def test_the_step_fan_out_writes_what_send_would_with_the_same_books(channel_type: type) -> None:
-    """``send_step`` (one write per worker per step) delivers the bytes ``send`` delivers for
-    the same message, and keeps the same books: the last command, the last message and the
-    answers owed (none: the done flag answers a step), the slot's hook (which sees every command)."""
+def test_the_step_fan_out_writes_what_a_connection_would_with_the_same_books(channel_type: type) -> None:
+    """A channel sends the step message in one write of bytes framed once (``STEP_WIRE``): the
+    worker receives what ``Connection.send`` of the same message delivers, and the channel keeps
+    its books: the last command, the last message and the answers owed (none: the done flag
+    answers a step), the slot's hook (which sees every command). A closed connection is not
+    written to (its descriptor number may be another file's by then)."""
     ours, theirs = multiprocessing.Pipe()
     with ours, theirs:
-        sent, fast = channel_type(ours), channel_type(ours)
-        sent.send(STEP_AND_MAYBE_RESET)
-        by_send = theirs.recv_bytes()
-        fast.send_step()
-        assert theirs.recv_bytes() == by_send == STEP_BYTES
-        assert ForkingPickler.loads(by_send) == STEP_AND_MAYBE_RESET
-        assert not theirs.poll()  # one message each, nothing more
-        assert vars(fast) == vars(sent) | {"on_eof": None}
+        ours.send(STEP_AND_MAYBE_RESET)
+        by_connection = theirs.recv_bytes()
+        channel = channel_type(ours)
+        channel.send(STEP_AND_MAYBE_RESET)
+        assert theirs.recv_bytes() == by_connection == STEP_BYTES
+        assert ForkingPickler.loads(by_connection) == STEP_AND_MAYBE_RESET
+        assert not theirs.poll()  # one message, nothing more
+        assert channel.last_command == "step_and_maybe_reset"
         if channel_type is RestartableChannel:
-            assert fast.owed == 0 and fast.last_message == STEP_AND_MAYBE_RESET
+            assert channel.owed == 0 and channel.last_message == STEP_AND_MAYBE_RESET
             seen: list[Any] = []
-            fast.hook = lambda message: seen.append(message) or (None, None)  # handled: not sent
-            fast.send_step()
+            channel.hook = lambda message: seen.append(message) or (None, None)  # handled: not sent
+            channel.send(STEP_AND_MAYBE_RESET)
             assert seen == [STEP_AND_MAYBE_RESET] and not theirs.poll()
+    closed = channel_type(ours)
+    if channel_type is RestartableChannel:
+        closed.send(STEP_AND_MAYBE_RESET)  # a lost worker's pipe: the loss is handled at the wait
+    else:
+        with pytest.raises(OSError):
+            closed.send(STEP_AND_MAYBE_RESET)
 
 
 def test_spin_wait_is_validated() -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._compat import COMMANDS, NO_PIPE_ANSWER
-from ._step_path import STEP_AND_MAYBE_RESET, STEP_BYTES, STEP_WIRE
+from ._step_path import STEP_AND_MAYBE_RESET, STEP_WIRE
 from ._wait import wait_for
 
 __all__ = ["ParentChannel", "RestartableChannel", "is_forwarded_call"]
@@ -31,8 +31,6 @@ class ParentChannel:
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
-        #: The pipe's descriptor, for :meth:`send_step`'s one write.
-        self._fd: int = conn.fileno()
         self.last_command: str | None = None
         self.on_eof: Callable[[], BaseException | None] | None = None
         # Bound once: polled after every step (no __getattr__ on the hot path).
@@ -42,12 +40,6 @@ class ParentChannel:
         if isinstance(obj, tuple) and obj and isinstance(obj[0], str):
             self.last_command = obj[0]
         _send(self._conn, obj)
-
-    def send_step(self) -> None:
-        """``send(STEP_AND_MAYBE_RESET)`` in one write of the bytes ``send`` would write
-        (:data:`_step_path.STEP_WIRE`): the managed step path's fan-out, once per worker per step."""
-        self.last_command = STEP_AND_MAYBE_RESET[0]
-        os.write(self._fd, STEP_WIRE)
 
     def recv(self) -> Any:
         try:
@@ -63,9 +55,12 @@ class ParentChannel:
 
 
 def _send(conn: Any, obj: Any) -> None:
-    """``conn.send(obj)``; the step path's message is pickled once (``_step_path``)."""
+    """``conn.send(obj)``; the step path's message, once per worker per step, is written as
+    ``conn.send`` would write it but in one system call of bytes framed once
+    (:data:`_step_path.STEP_WIRE`). ``fileno()`` is asked each time: it raises on a closed
+    connection, whose descriptor number may belong to another file by then."""
     if obj is STEP_AND_MAYBE_RESET:
-        conn.send_bytes(STEP_BYTES)
+        os.write(conn.fileno(), STEP_WIRE)
     else:
         conn.send(obj)
 
@@ -117,17 +112,6 @@ class RestartableChannel(ParentChannel):
             return
         if command is not None and not (isinstance(command, str) and command in NO_PIPE_ANSWER):
             self.owed += 1
-
-    def send_step(self) -> None:
-        if self.hook is not None:  # the slot's policies see every command
-            self.send(STEP_AND_MAYBE_RESET)
-            return
-        self.last_command = STEP_AND_MAYBE_RESET[0]
-        self.last_message = STEP_AND_MAYBE_RESET
-        try:  # answered by the done flag: nothing owed on the pipe (NO_PIPE_ANSWER)
-            os.write(self._fd, STEP_WIRE)
-        except OSError:
-            return
 
     def recv(self) -> Any:
         message = super().recv()

@@ -11,7 +11,7 @@ once per spec::
     ParentPlan.write_inputs
       input key k: buffer[k].copy_(td[k])  (planned)
     for each slot i (all told before any wait):
-      channel.send_step()   ------------ pipe, one write of STEP_WIRE -------------->
+      channel.send(STEP_AND_MAYBE_RESET) ---- pipe, one write of STEP_WIRE ----->
                                                             recv_bytes() == STEP_BYTES:
                                                             WorkerPlan.step_and_maybe_reset
                                                               td, root = env.step_and_maybe_reset(R)
@@ -428,7 +428,7 @@ def step_and_maybe_reset(
         slots = range(env.num_workers)
         channels = Upstream(env).channels
         for i in slots:  # every worker told before the wait
-            channels[i].send_step()
+            channels[i].send(STEP_AND_MAYBE_RESET)
         env._wait_for_workers(slots)
         next_td, root = plan.read_outputs()
     tensordict.set("next", next_td)
