@@ -32,13 +32,13 @@ by our worker entry before TorchRL's worker function runs, so the factory receiv
 from __future__ import annotations
 
 import ast
-import contextlib
 import functools
 import importlib
 import importlib.metadata
 import inspect
+import io
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar, overload
 
@@ -83,15 +83,23 @@ def torchrl_release() -> Release:
         >>> torchrl_release() >= (0, 10)
         True
     """
-    versions = [str(getattr(torchrl, "__version__", ""))]
-    for dist in ("torchrl", "torchrl-nightly"):
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            versions.append(importlib.metadata.version(dist))
-    for version in versions:
+    for version in _versions():
         found = re.match(r"(\d+)\.(\d+)", version)
         if found is not None and found.groups() != ("0", "0"):
             return int(found.group(1)), int(found.group(2))
     return (0, 0)
+
+
+def _versions() -> Iterator[str]:
+    """TorchRL's version strings, most trusted first, each looked up only when the ones before
+    it do not tell (reading a distribution's metadata takes milliseconds)."""
+    yield str(getattr(torchrl, "__version__", ""))
+    for dist in ("torchrl", "torchrl-nightly"):
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        yield version
 
 
 # --------------------------------------------------------------------------- the inventory
@@ -451,8 +459,17 @@ def _top_level_def(source: str, name: str) -> tuple[ast.FunctionDef, str] | None
         return None
     if len(body) != 1 or not isinstance(body[0], ast.FunctionDef) or body[0].name != name:
         return None
-    # The whole file's parse would end the segment at its last statement, not at trailing blanks.
-    return body[0], ast.get_source_segment(text, body[0]) or ""
+    # What ast.get_source_segment gives, without its line splitting in Python (a few ms over a
+    # long function): the text from the def (line 1, column 0) to the node's end, which the
+    # whole file's parse puts at its last statement, not at trailing blanks. Lines end as the
+    # parser ends them (\n, \r\n, \r); the end column counts UTF-8 bytes.
+    node = body[0]
+    end_line, end_col = node.end_lineno, node.end_col_offset
+    if end_line is None or end_col is None:
+        return None
+    lines = io.StringIO(text, newline="").readlines()[:end_line]
+    lines[-1] = lines[-1].encode()[:end_col].decode()
+    return node, "".join(lines)
 
 
 def _has(target: Any, name: str) -> bool:
