@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import importlib.metadata
 import importlib.util
 import inspect
 import re
@@ -237,6 +238,38 @@ def test_the_release_is_read_from_the_installed_module() -> None:
     release = _compat.torchrl_release()
     assert release >= (0, 10), release
     assert (release >= (0, 11)) == _compat.HAS_DAEMON_KWARG
+
+
+@pytest.mark.parametrize(
+    ("version", "metadata", "expected", "looked_up"),
+    [
+        ("0.14.1", {"torchrl": "0.13.0"}, (0, 14), []),  # __version__ tells: no metadata read
+        ("0.0.0+unknown", {"torchrl": "0.10.1"}, (0, 10), ["torchrl"]),  # 0.10.1's own
+        ("", {"torchrl-nightly": "2026.10.27"}, (2026, 10), ["torchrl", "torchrl-nightly"]),
+        ("", {}, (0, 0), ["torchrl", "torchrl-nightly"]),
+    ],
+)
+def test_the_release_reads_metadata_only_when_the_module_does_not_tell(
+    monkeypatch: pytest.MonkeyPatch,
+    version: str,
+    metadata: dict[str, str],
+    expected: tuple[int, int],
+    looked_up: list[str],
+) -> None:
+    """Each metadata lookup costs milliseconds of a program's first start: it is made only
+    when the versions before it do not parse (a 0.0 counts as not parsing)."""
+    asked: list[str] = []
+
+    def fake_version(dist: str) -> str:
+        asked.append(dist)
+        if dist not in metadata:
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return metadata[dist]
+
+    monkeypatch.setattr(_compat.torchrl, "__version__", version, raising=False)
+    monkeypatch.setattr(_compat.importlib.metadata, "version", fake_version)
+    assert _compat.torchrl_release() == expected
+    assert asked == looked_up
 
 
 @pytest.mark.compat
