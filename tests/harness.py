@@ -125,8 +125,7 @@ def main() -> int:
     result["leaked"] = leaked
     result["seen_before_death"] = list(seen.values())
     result["exit_codes"] = {str(pid): code for pid, code in EXIT_CODES.items()}
-    with open(out_path, "w") as fh:
-        json.dump(result, fh)
+    _write_json(out_path, result)
     return 0
 
 

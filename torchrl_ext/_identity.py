@@ -90,6 +90,7 @@ __all__ = [
     "same_ctime",
     "same_process",
     "start_time",
+    "start_time_of",
     "tree",
     "unique",
 ]
@@ -153,6 +154,19 @@ def start_time(proc: psutil.Process) -> float:
         raise psutil.NoSuchProcess(proc.pid) from None
     # Field 22 (starttime, in clock ticks since boot); the name in field 2 may hold spaces.
     return int(stat[stat.rindex(b")") + 2 :].split()[19]) / _CLOCK_TICKS
+
+
+def start_time_of(pid: int) -> float | None:
+    """:func:`start_time` of the process ``pid``; ``None`` once it is gone.
+
+    Example:
+        >>> start_time_of(os.getpid()) == start_time(psutil.Process())
+        True
+    """
+    try:
+        return start_time(psutil.Process(pid))
+    except psutil.Error:
+        return None
 
 
 def parent_pids() -> dict[int, int]:

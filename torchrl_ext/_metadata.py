@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import cloudpickle
-import psutil
 import torch
 from torchrl.envs import EnvBase
 from torchrl.envs.env_creator import EnvCreator
@@ -147,11 +146,8 @@ def _end_tree(process: Any, tag: Tag) -> None:
     pid = process.pid
     if pid is None:
         return
-    try:
-        ctime = _identity.start_time(psutil.Process(pid))
-        workers = {pid: (ctime, pid)}
-    except psutil.Error:
-        workers = {}
+    ctime = _identity.start_time_of(pid)
+    workers = {} if ctime is None else {pid: (ctime, pid)}
     # It answered (or died) a moment ago: its process group cannot have been recycled yet.
     procs = _identity.tree(
         workers,

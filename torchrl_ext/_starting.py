@@ -183,8 +183,9 @@ class WorkerStarter:
         child_pipe.close()
         handoff = self.handoffs[slot] if self.handoffs is not None else None
         worker = StartingWorker(slot, process, parent_pipe, event, time.monotonic(), handoff)
-        with contextlib.suppress(psutil.Error):
-            worker.create_time = _identity.start_time(psutil.Process(process.pid))
+        ctime = _identity.start_time_of(process.pid)
+        if ctime is not None:
+            worker.create_time = ctime
         return worker
 
     @contextlib.contextmanager

@@ -31,8 +31,6 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-import psutil
-
 from . import _identity, _reaper_client, _stacks
 from ._channel import ParentChannel, RestartableChannel
 from ._done_signal import DoneSignal
@@ -159,9 +157,8 @@ class WorkerSupervisor:
         recorder = channel
         if not isinstance(channel, ParentChannel):
             recorder = RestartableChannel(channel) if self._replaceable else ParentChannel(channel)
-        try:
-            ctime = _identity.start_time(psutil.Process(process.pid))
-        except psutil.Error:
+        ctime = _identity.start_time_of(process.pid)
+        if ctime is None:
             ctime = 0.0  # already gone: no process of today has this identity
         _reaper_client.watch(process.pid, ctime, process.pid)
         worker = WorkerRecord(index, process, process.pid, ctime, recorder)

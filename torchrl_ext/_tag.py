@@ -100,9 +100,8 @@ def _tagging_spawnv(previous: Callable[..., int]) -> Callable[..., int]:
             env[OWNER_VAR] = str(Tag(tag.owner_pid, tag.owner_create_time, server_id))
             env[WORKER_VAR] = MP_FORKSERVER_SUFFIX
         pid = _platform.spawn_passing_fds(path, args, passfds, env, own_group=kind == "worker")
-        try:
-            ctime = _identity.start_time(psutil.Process(pid))
-        except psutil.Error:  # already gone: nothing to watch
+        ctime = _identity.start_time_of(pid)
+        if ctime is None:  # already gone: nothing to watch
             return pid
         if kind == "worker":
             _reaper_client.watch(pid, ctime, pid)
