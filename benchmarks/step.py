@@ -13,7 +13,13 @@ Configurations (``--configs``):
 * ``upstream``: ``torchrl.envs.ParallelEnv`` with no start method (TorchRL's default);
 * ``upstream_fork``: ``ParallelEnv(mp_start_method="fork")``;
 * ``gym_async``: gymnasium ``AsyncVectorEnv(shared_memory=True, context="fork")``;
-* ``sb3``: stable-baselines3 ``SubprocVecEnv(start_method="fork")``.
+* ``sb3``: stable-baselines3 ``SubprocVecEnv(start_method="fork")``;
+* ``floor``: the least a batched step with one env per process costs on this machine (no
+  library): ``workers`` forked processes, each stepping its own env of the same kind through
+  TorchRL's ``step_and_maybe_reset`` when the trial's process writes it one byte, and answering
+  with one byte. Nothing is shared and nothing comes back to the caller, so no batched env with
+  TorchRL's outputs, ours or upstream's, can step faster with the same processes; "floor vs
+  upstream" is the most any such design could be faster than upstream.
 
 gymnasium and stable-baselines3 are a benchmark-only extra (``pip install -e .[bench]``).
 Envs (``--envs``, see ``step_envs.py``): ``trivial`` (4 floats) and ``replay`` (200 floats and
@@ -42,7 +48,7 @@ from _machine import child_trial, interleaved, run_script_child, system_busy
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-CONFIGS = ("managed", "managed_fork", "upstream", "upstream_fork", "gym_async", "sb3")
+CONFIGS = ("managed", "managed_fork", "upstream", "upstream_fork", "gym_async", "sb3", "floor")
 #: Each ours against the upstream configuration with the same start method.
 PAIRS = {"managed": "upstream", "managed_fork": "upstream_fork"}
 
@@ -97,6 +103,84 @@ def _time_vec(env: Any, workers: int, warmup: int, steps: int) -> list[float]:
     return times
 
 
+def _floor_worker(kind: str, commands: int, answers: int) -> None:
+    """A ``floor`` process: step its env on each byte ``s``, answer ``d``; any other byte ends it."""
+    import step_envs
+    import torch
+
+    torch.set_num_threads(1)  # as TorchRL's workers (num_sub_threads=1)
+    env = step_envs.make_env(kind)
+    action = env.action_spec.zero()
+    root = env.reset().set("action", action)
+    os.write(answers, b"r")
+    with torch.no_grad():
+        while os.read(commands, 1) == b"s":
+            _, root = env.step_and_maybe_reset(root)
+            root.set("action", action)
+            os.write(answers, b"d")
+
+
+class Floor:
+    """``workers`` forked :func:`_floor_worker` processes and their pipes (the ``floor`` config)."""
+
+    def __init__(self, kind: str, workers: int) -> None:
+        #: (command pipe's write end, answer pipe's read end, pid) of each process.
+        self.procs: list[tuple[int, int, int]] = []
+        try:
+            for _ in range(workers):
+                cmd_r, cmd_w = os.pipe()
+                ans_r, ans_w = os.pipe()
+                pid = os.fork()
+                if pid == 0:
+                    code = 1
+                    try:
+                        os.close(cmd_w)
+                        os.close(ans_r)
+                        _floor_worker(kind, cmd_r, ans_w)
+                        code = 0
+                    finally:
+                        os._exit(code)
+                os.close(cmd_r)
+                os.close(ans_w)
+                self.procs.append((cmd_w, ans_r, pid))
+            self._answers(b"r")
+        except BaseException:
+            self.close()
+            raise
+
+    def _answers(self, expected: bytes) -> None:
+        for _, ans_r, pid in self.procs:
+            got = os.read(ans_r, 1)
+            if got != expected:
+                raise RuntimeError(f"floor process {pid} answered {got!r}, not {expected!r} (it died?)")
+
+    def step(self) -> None:
+        for cmd_w, _, _ in self.procs:
+            os.write(cmd_w, b"s")
+        self._answers(b"d")
+
+    def close(self) -> None:
+        for cmd_w, ans_r, pid in self.procs:
+            try:
+                os.write(cmd_w, b"q")
+            except OSError:  # gone already: reaped below
+                pass
+            os.close(cmd_w)
+            os.close(ans_r)
+            os.waitpid(pid, 0)
+        self.procs = []
+
+
+def _time_floor(floor: Floor, warmup: int, steps: int) -> list[float]:
+    times = []
+    for i in range(warmup + steps):
+        t = time.perf_counter()
+        floor.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return times
+
+
 def trial(spec: dict[str, Any]) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import functools
@@ -107,7 +191,13 @@ def trial(spec: dict[str, Any]) -> dict[str, Any]:
     warmup, steps = int(spec["warmup"]), int(spec["steps"])
     busy, t0 = system_busy(), time.perf_counter()
     extra: dict[str, Any] = {}
-    if config in ("gym_async", "sb3"):
+    if config == "floor":
+        floor = Floor(kind, workers)
+        try:
+            times = _time_floor(floor, warmup, steps)
+        finally:
+            floor.close()
+    elif config in ("gym_async", "sb3"):
         fns = [functools.partial(step_envs.make_gym, kind) for _ in range(workers)]
         if config == "gym_async":
             from gymnasium.vector import AsyncVectorEnv
@@ -201,10 +291,17 @@ def write_markdown(
         "",
         "Each cell: min / median microseconds per batched step (lower is better). Ratios: how many "
         "times faster ours steps (upstream's median over ours) with the same start method, and ours "
-        "against gymnasium `AsyncVectorEnv` (its median over ours; the gate asks >= 1/1.5 = 0.67).",
+        "against gymnasium `AsyncVectorEnv` (its median over ours; the gate asks >= 1/1.5 = 0.67); "
+        "`floor` (one env per forked process, a byte each way, nothing returned: see `step.py`) "
+        "against upstream with the same start method (fork), the most any design with one env "
+        "per process could reach, and ours against the floor (its median over ours: 1.0 is the floor).",
         "",
     ]
+    ratios = [("managed", "upstream"), ("managed_fork", "upstream_fork"), ("managed", "gym_async")]
     header = ["env", "workers", *configs, "managed vs upstream", "fork vs upstream fork", "managed vs gym"]
+    if "floor" in configs:
+        ratios += [("floor", "upstream_fork"), ("managed_fork", "floor")]
+        header += ["floor vs upstream fork", "fork vs floor"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = [row["env"], str(row["workers"])]
@@ -216,7 +313,7 @@ def write_markdown(
                 cells.append("failed")
             else:
                 cells.append(f"{got['min_us']:.0f} / {got['median_us']:.0f}")
-        for a, b in (("managed", "upstream"), ("managed_fork", "upstream_fork"), ("managed", "gym_async")):
+        for a, b in ratios:
             r = _ratio(row, a, b)
             cells.append("" if r is None else f"{r:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
