@@ -42,7 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,19 +90,25 @@ def _time_torchrl(env: Any, warmup: int, steps: int) -> tuple[list[float], dict[
     return times, extra
 
 
+def _timed(step: Callable[[], object], warmup: int, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``step`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
 def _time_vec(env: Any, workers: int, warmup: int, steps: int) -> list[float]:
     """Per-step seconds of a gymnasium or SB3 vector env (same call: ``step(actions)``)."""
     import numpy as np
 
     env.reset()
     actions = np.zeros((workers, 1), dtype=np.float32)
-    times = []
-    for i in range(warmup + steps):
-        t = time.perf_counter()
-        env.step(actions)
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-    return times
+    return _timed(lambda: env.step(actions), warmup, steps)
 
 
 def _floor_worker(kind: str, commands: int, answers: int) -> None:
@@ -173,16 +179,6 @@ class Floor:
         self.procs = []
 
 
-def _time_floor(floor: Floor, warmup: int, steps: int) -> list[float]:
-    times = []
-    for i in range(warmup + steps):
-        t = time.perf_counter()
-        floor.step()
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-    return times
-
-
 def trial(spec: dict[str, Any]) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import functools
@@ -196,7 +192,7 @@ def trial(spec: dict[str, Any]) -> dict[str, Any]:
     if config == "floor":
         floor = Floor(kind, workers)
         try:
-            times = _time_floor(floor, warmup, steps)
+            times = _timed(floor.step, warmup, steps)
         finally:
             floor.close()
     elif config in ("gym_async", "sb3"):
