@@ -51,8 +51,6 @@ from _machine import child_trial, interleaved, run_script_child, system_busy
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 CONFIGS = ("managed", "managed_fork", "upstream", "upstream_fork", "gym_async", "sb3", "floor")
-#: Each ours against the upstream configuration with the same start method.
-PAIRS = {"managed": "upstream", "managed_fork": "upstream_fork"}
 
 
 # ============================================================================ child trials
