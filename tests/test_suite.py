@@ -1,12 +1,16 @@
-"""The suite's own options: ``--skip-start-method`` (tests/conftest.py), which the Makefile's
-TorchRL 0.15 suite uses to leave the spawn cases to the main suite."""
+"""The suite's own machinery (tests/conftest.py): ``--skip-start-method``, which the Makefile's
+TorchRL 0.15 suite uses to leave the spawn cases to the main suite, and the leak fixture's rules."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from tests.conftest import ROOT, child_env
+import psutil
+
+from tests.conftest import ROOT, child_env, leftovers, process_keys
+from tests.polling import wait_until
+from torchrl_ext._identity import key_of
 
 
 def _collect(*args: str) -> subprocess.CompletedProcess[str]:
@@ -39,3 +43,25 @@ def test_an_unknown_start_method_is_refused() -> None:
     proc = _collect("--skip-start-method", "spwan", "tests/test_keywords.py")
     assert proc.returncode != 0
     assert "spwan" in proc.stderr
+
+
+def test_a_reaper_forked_after_the_baseline_by_an_earlier_shim_is_not_a_leftover() -> None:
+    """The leak fixture's one exception for late processes: the reaper its shim (in the
+    baseline) forked afterwards. A child of any other process in the baseline still counts."""
+    from torchrl_ext import _reaper_client
+
+    _reaper_client.acquire()
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', 'input()'])"],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        shim = psutil.Process(_reaper_client._handle.pid)  # type: ignore[union-attr]
+        wait_until(lambda: shim.children() and psutil.Process(other.pid).children(), "both forked")
+        late = {shim.children()[0], psutil.Process(other.pid).children()[0]}
+        before = process_keys() - {key_of(p) for p in late}  # as if both came after the baseline
+        live, zombies = leftovers(before)
+        assert [p.pid for p in live] == [psutil.Process(other.pid).children()[0].pid] and not zombies
+    finally:
+        other.communicate(b"\n", timeout=60)
+        _reaper_client.release()
