@@ -304,6 +304,7 @@ def test_workers_keep_the_inherited_policy_when_told_or_under_torchrls_wait(
 
 
 @needs_policies
+@pytest.mark.compat
 @pytest.mark.parametrize("method", NOT_SPAWNED)
 def test_a_replacement_worker_runs_under_sched_batch_too(method: str) -> None:
     env = ManagedParallelEnv(2, make_env, daemon_workers=False, max_restarts=1, **start_kwargs(method))
