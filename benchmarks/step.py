@@ -14,8 +14,6 @@ Configurations (``--configs``):
 * ``upstream_fork``: ``ParallelEnv(mp_start_method="fork")``;
 * ``gym_async``: gymnasium ``AsyncVectorEnv(shared_memory=True, context="fork")``;
 * ``sb3``: stable-baselines3 ``SubprocVecEnv(start_method="fork")``;
-* ``managed_fork_inherit`` (only when named): ``managed_fork`` with
-  ``sched_batch_workers=False``, the workers' scheduling policy left as inherited;
 * ``floor``: the least a batched step with one env per process costs on this machine (no
   library): ``workers`` forked processes, each stepping its own env of the same kind through
   TorchRL's ``step_and_maybe_reset`` when the trial's process writes it one byte, and answering
@@ -53,8 +51,6 @@ from _machine import child_trial, interleaved, run_script_child, system_busy
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 CONFIGS = ("managed", "managed_fork", "upstream", "upstream_fork", "gym_async", "sb3", "floor")
-#: Run only when named in ``--configs``: ``managed_fork`` with ``sched_batch_workers=False``.
-EXTRA_CONFIGS = ("managed_fork_inherit",)
 
 
 # ============================================================================ child trials
@@ -67,12 +63,10 @@ def _torchrl_env(config: str, kind: str, workers: int) -> Any:
     from torchrl.envs import ParallelEnv
 
     fn = functools.partial(step_envs.make_env, kind)
-    kwargs: dict[str, Any] = {"mp_start_method": "fork"} if "_fork" in config else {}
+    kwargs: dict[str, Any] = {"mp_start_method": "fork"} if config.endswith("_fork") else {}
     if config.startswith("managed"):
         from torchrl_ext import ManagedParallelEnv
 
-        if config.endswith("_inherit"):
-            kwargs["sched_batch_workers"] = False
         return ManagedParallelEnv(workers, fn, **kwargs)
     return ParallelEnv(workers, fn, **kwargs)
 
@@ -235,7 +229,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--envs", nargs="+", default=["trivial", "replay"], choices=["trivial", "replay"])
     p.add_argument("--workers", nargs="+", type=int, default=[1, 2, 4, 8])
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS + EXTRA_CONFIGS)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     p.add_argument("--steps", type=int, default=2000, help="timed steps per trial")
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--repeats", type=int, default=2, help="trials per cell and configuration")
@@ -305,9 +299,6 @@ def write_markdown(
     if "floor" in configs:
         ratios += [("floor", "upstream_fork"), ("managed_fork", "floor")]
         header += ["floor vs upstream fork", "fork vs floor"]
-    if "managed_fork_inherit" in configs:
-        ratios += [("managed_fork", "managed_fork_inherit")]
-        header += ["fork: SCHED_BATCH vs inherited"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = [row["env"], str(row["workers"])]

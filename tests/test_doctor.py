@@ -35,7 +35,6 @@ NAMES = [
     "TorchRL",
     "torch",
     "step path",
-    "worker scheduling",
     "Ray",
 ]
 STATUSES = ("ok", "degraded", "missing")
@@ -102,7 +101,6 @@ def test_portable_mode_reports_degraded_with_exit_code_1() -> None:
     for name in ("pidfd", "PR_SET_PDEATHSIG", "PR_SET_CHILD_SUBREAPER"):
         assert checks[name]["status"] == "missing", checks[name]
         assert _platform.PORTABLE_VAR in checks[name]["hint"]
-    assert checks["worker scheduling"]["detail"].startswith("workers keep the scheduling policy")
     assert report["ok"] is False
     assert proc.returncode == 1
 
@@ -140,19 +138,6 @@ def test_the_step_path_check_names_the_path_this_torchrl_allows() -> None:
         assert check.detail.startswith("ours for envs with shared buffers"), check
     else:
         assert check.detail.startswith("TorchRL's for every env"), check
-
-
-@pytest.mark.compat
-def test_the_worker_scheduling_check_says_what_a_worker_gets_here() -> None:
-    """On Linux a worker may run under SCHED_BATCH (the probe leaves this process's own policy
-    alone); on the portable paths it keeps the inherited policy (below)."""
-    mine = os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
-    check = {c.name: c for c in _doctor.run_checks(orphan_test=False)}["worker scheduling"]
-    assert check.ok
-    if _platform.IS_LINUX and not _platform.portable_only():
-        assert check.detail.startswith("workers run under SCHED_BATCH"), check
-    if mine is not None:
-        assert os.sched_getscheduler(0) == mine
 
 
 def test_cli_exit_code_follows_the_checks(

@@ -5,20 +5,15 @@ from __future__ import annotations
 import functools
 import os
 import pickle
-import signal
-import subprocess
-import sys
-from typing import Any
 
 import pytest
 import torch
 from tensordict import TensorDictBase
 from torchrl.envs import ParallelEnv
 
-from tests.conftest import NOT_SPAWNED, START_METHODS, WORKER_STARTS, child_env, pid_alive, start_kwargs
+from tests.conftest import NOT_SPAWNED, START_METHODS, start_kwargs
 from tests.envs import OBS, make_env
-from tests.polling import wait_until
-from torchrl_ext import DaemonicWorkerError, ManagedParallelEnv, _platform
+from torchrl_ext import DaemonicWorkerError, ManagedParallelEnv
 from torchrl_ext._compat import HAS_DAEMON_KWARG, default_start_method, torchrl_release
 
 
@@ -251,88 +246,3 @@ def test_a_pickled_env_keeps_its_options_and_leaves_the_start_to_where_it_lands(
     finally:
         copy.close(raise_if_closed=False)
         env.close(raise_if_closed=False)
-
-
-def _policies(pids: list[int]) -> list[int]:
-    return [os.sched_getscheduler(pid) for pid in pids]
-
-
-#: What a worker asked to run under SCHED_BATCH gets here (the platform module's rule).
-BATCH = (
-    getattr(os, "SCHED_BATCH", None)
-    if _platform.IS_LINUX and not _platform.portable_only()
-    else getattr(os, "SCHED_OTHER", None)
-)
-needs_policies = pytest.mark.skipif(
-    not hasattr(os, "sched_getscheduler"), reason="no sched_getscheduler on this platform"
-)
-
-
-@needs_policies
-@pytest.mark.compat
-@pytest.mark.parametrize("method", WORKER_STARTS)
-def test_workers_run_under_sched_batch_and_the_main_process_keeps_its_policy(method: str) -> None:
-    """By default (``sched_batch_workers=None``) every worker runs under ``SCHED_BATCH`` on
-    Linux, whatever created it; the main process's own policy is untouched."""
-    mine = os.sched_getscheduler(0)
-    env = ManagedParallelEnv(2, make_env, daemon_workers=False, **start_kwargs(method))
-    try:
-        env.reset()
-        assert _policies(env.worker_pids) == [BATCH, BATCH]
-        assert os.sched_getscheduler(0) == mine
-    finally:
-        env.close()
-
-
-@needs_policies
-@pytest.mark.compat
-@pytest.mark.parametrize(
-    "options", [{"sched_batch_workers": False}, {"spin_wait": float("inf")}], ids=["off", "torchrl_wait"]
-)
-def test_workers_keep_the_inherited_policy_when_told_or_under_torchrls_wait(
-    options: dict[str, Any],
-) -> None:
-    """``sched_batch_workers=False``, and by default TorchRL's own wait (which holds its core:
-    a worker that could not preempt it would wait for the scheduler's tick), leave the policy
-    the workers inherit."""
-    env = ManagedParallelEnv(2, make_env, daemon_workers=False, mp_start_method="fork", **options)
-    try:
-        env.reset()
-        assert _policies(env.worker_pids) == [os.sched_getscheduler(0)] * 2
-    finally:
-        env.close()
-
-
-@needs_policies
-@pytest.mark.compat
-@pytest.mark.parametrize("method", NOT_SPAWNED)
-def test_a_replacement_worker_runs_under_sched_batch_too(method: str) -> None:
-    env = ManagedParallelEnv(2, make_env, daemon_workers=False, max_restarts=1, **start_kwargs(method))
-    try:
-        root = env.reset()
-        victim = env.worker_pids[1]
-        os.kill(victim, signal.SIGKILL)
-        wait_until(lambda: not pid_alive(victim), "the worker is dead")
-        env.step_and_maybe_reset(env.rand_action(root))  # replaces it
-        assert [r.old_pid for r in env.restarts] == [victim]
-        assert _policies(env.worker_pids) == [BATCH, BATCH]
-    finally:
-        env.close(raise_if_closed=False)
-
-
-@needs_policies
-@pytest.mark.compat
-@pytest.mark.parametrize("portable", [False, True], ids=["linux", "portable"])
-def test_the_policy_call_changes_the_policy_only_where_the_platform_allows(portable: bool) -> None:
-    """The one call that sets it (``_platform.set_batch_scheduling``), in a child interpreter:
-    it sets ``SCHED_BATCH`` and says so on Linux, and does nothing and says so on the portable
-    paths (``TORCHRL_EXT_PORTABLE=1``, as on macOS)."""
-    code = (
-        "import os; from torchrl_ext import _platform as p; "
-        "print(p.set_batch_scheduling(), os.sched_getscheduler(0) == os.SCHED_BATCH)"
-    )
-    extra = {_platform.PORTABLE_VAR: "1"} if portable else {}
-    run = subprocess.run([sys.executable, "-c", code], env=child_env(**extra), capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    expected = "False" if portable or not _platform.IS_LINUX else "True"
-    assert run.stdout.split() == [expected, expected]

@@ -37,7 +37,6 @@ REFUSED: dict[str, list[Any]] = {
     "recycle_memory": [[1], 2.5, True],
     "recycle_every": ["10", 1.5, 0],
     "collect_stats": [None, 1],
-    "sched_batch_workers": ["yes", 1],
 }
 
 #: Values of other types than the defaults' that are accepted (numpy scalars, lists).

@@ -429,30 +429,6 @@ def check_step_path(has_done_flags: bool) -> Check:
     return Check("step path", "ok", "TorchRL's for every env: TorchRL < 0.11 answers through events")
 
 
-def check_worker_scheduling(allowed: bool) -> Check:
-    """Whether workers run under ``SCHED_BATCH`` here (always ``ok``: it is speed, not a
-    guarantee; see ``sched_batch_workers``).
-
-    Example:
-        >>> check_worker_scheduling(False).detail.split(":")[0]
-        'workers keep the scheduling policy they inherit'
-    """
-    if allowed:
-        return Check(
-            "worker scheduling",
-            "ok",
-            "workers run under SCHED_BATCH (sched_batch_workers): the first worker a step wakes "
-            "does not preempt the main process while it tells the others",
-        )
-    return Check(
-        "worker scheduling",
-        "ok",
-        "workers keep the scheduling policy they inherit: SCHED_BATCH is not available here "
-        "(not Linux, TORCHRL_EXT_PORTABLE, or refused); with more busy processes than cores a "
-        "step's fan-out can be preempted, as upstream's is",
-    )
-
-
 def check_torch(version: str) -> Check:
     """Judge torch's version against the tested one (the local part, ``+cpu``, is ignored)."""
     release = version.split("+")[0]
@@ -544,7 +520,6 @@ def run_checks(*, orphan_test: bool = True, orphan_timeout: float = 5.0) -> list
         ),
         check_torch(str(torch.__version__)),
         check_step_path(_compat.HAS_DAEMON_KWARG),
-        check_worker_scheduling(_probes.batch_scheduling_allowed()),
         check_ray(importlib.util.find_spec("ray") is not None, os.environ),
     ]
 

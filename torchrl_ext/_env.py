@@ -126,11 +126,6 @@ class ManagedParallelEnv(ParallelEnv):
             read), its slot's next reset goes to a fresh worker started ahead of time, and the
             old one is closed; no transition is marked (see docs/restarts.md, "Recycling").
         recycle_every: the same after this many episodes (resets) of one worker.
-        sched_batch_workers: on Linux, run the workers under ``SCHED_BATCH``: the same CPU
-            share at the same nice value, but a worker woken by its command does not preempt
-            the main process while it tells the step's other workers (more workers than cores
-            step faster: see benchmarks/results/step.md). Their children inherit it. ``None``
-            (default): unless ``spin_wait=float("inf")``; ``False``: the policy they inherit.
         **kwargs: everything ``torchrl.envs.ParallelEnv`` accepts.
 
     Example:
@@ -167,7 +162,6 @@ class ManagedParallelEnv(ParallelEnv):
         recycle_memory: int | str | None = None,
         recycle_every: int | None = None,
         collect_stats: bool = True,
-        sched_batch_workers: bool | None = None,
         **kwargs: Any,
     ) -> None:
         if not _upstream_accepts(num_workers, create_env_fn, kwargs):
@@ -195,7 +189,6 @@ class ManagedParallelEnv(ParallelEnv):
             recycle_memory=recycle_memory,
             recycle_every=recycle_every,
             collect_stats=collect_stats,
-            sched_batch_workers=sched_batch_workers,
         )
         check_supported()
         modules = preload_modules(options, create_env_fn, kwargs.get("mp_start_method"))

@@ -45,7 +45,6 @@ DEFAULTS: dict[str, Any] = {
     "recycle_memory": None,
     "recycle_every": None,
     "collect_stats": True,
-    "sched_batch_workers": None,
 }
 
 
@@ -86,8 +85,6 @@ class Options:
     recycle_memory: int | None
     recycle_every: int | None
     collect_stats: bool
-    #: ``None``: resolved by :attr:`batch_workers`.
-    sched_batch_workers: bool | None
 
     @classmethod
     def validated(cls, **arguments: Any) -> Options:
@@ -143,7 +140,6 @@ class Options:
             recycle_memory=recycle_memory,
             recycle_every=None if given["recycle_every"] is None else int(given["recycle_every"]),
             collect_stats=given["collect_stats"],
-            sched_batch_workers=given["sched_batch_workers"],
         )
 
     @property
@@ -156,16 +152,6 @@ class Options:
         """How long a worker on the managed step path spins for its next command: ``spin``,
         except 0 under TorchRL's own wait (``float("inf")``), whose workers sleep on the pipe."""
         return 0.0 if self.spin == float("inf") else self.spin
-
-    @property
-    def batch_workers(self) -> bool:
-        """Whether workers run under ``SCHED_BATCH``: ``sched_batch_workers``, by default
-        wherever the main process waits on our wait (which sleeps): not under TorchRL's own
-        (``spin_wait=float("inf")``), which holds its core, so a worker woken there would
-        wait for the scheduler's tick instead of taking it."""
-        if self.sched_batch_workers is not None:
-            return self.sched_batch_workers
-        return self.spin != float("inf")
 
     @property
     def recycling(self) -> bool:
@@ -303,7 +289,6 @@ ACCEPTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
         _or_none(lambda value: _is_int(value) and value >= 1),
     ),
     "collect_stats": ("True or False", _is_flag),
-    "sched_batch_workers": (_OPTIONAL_FLAG, _or_none(_is_flag)),
 }
 
 

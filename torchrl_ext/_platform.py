@@ -46,7 +46,6 @@ __all__ = [
     "process_group_of",
     "process_memory",
     "process_name",
-    "set_batch_scheduling",
     "set_child_subreaper",
     "set_parent_death_signal",
     "show_environment",
@@ -129,30 +128,6 @@ def has_pidfd() -> bool:
     except OSError:
         return False
     os.close(fd)
-    return True
-
-
-def set_batch_scheduling() -> bool:
-    """Put the calling thread under Linux's ``SCHED_BATCH`` policy: the same share of the CPU
-    at the same nice value, but its wake-ups do not preempt the task running on the core (it
-    waits for that task to sleep, or for the scheduler's tick). Threads and processes it
-    starts afterwards inherit it. ``False`` where the policy is not available or is refused
-    (not Linux, ``TORCHRL_EXT_PORTABLE``, a seccomp filter); nothing changes then.
-
-    Example (in a child process: the policy is the calling process's own):
-        >>> import subprocess, sys
-        >>> code = "from torchrl_ext import _platform as p; print(p.set_batch_scheduling())"
-        >>> run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-        >>> run.stdout.strip() in ("True", "False")
-        True
-    """
-    policy = getattr(os, "SCHED_BATCH", None)
-    if portable_only() or policy is None or not hasattr(os, "sched_setscheduler"):
-        return False
-    try:
-        os.sched_setscheduler(0, policy, os.sched_param(0))
-    except OSError:
-        return False
     return True
 
 

@@ -1,6 +1,5 @@
 """What ``python -m torchrl_ext doctor`` measures on this machine: the size of ``/dev/shm``,
-the open-files limit (``ulimit -n``), whether the process that adopts an orphan reaps it, and
-whether a worker may run under ``SCHED_BATCH``.
+the open-files limit (``ulimit -n``), and whether the process that adopts an orphan reaps it.
 
 :mod:`torchrl_ext._doctor` judges these; the capability checks it also reports (``prctl``,
 pidfd) are :mod:`torchrl_ext._platform`'s.
@@ -12,7 +11,6 @@ import os
 import resource
 import subprocess
 import sys
-import threading
 import time
 from typing import NamedTuple
 
@@ -23,7 +21,6 @@ from ._wait import wait_for
 
 __all__ = [
     "OrphanProbe",
-    "batch_scheduling_allowed",
     "open_files_limit",
     "probe_orphan_reaping",
     "shm_size",
@@ -50,24 +47,6 @@ def open_files_limit() -> tuple[int, int]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     unlimited = resource.RLIM_INFINITY
     return (-1 if soft == unlimited else soft, -1 if hard == unlimited else hard)
-
-
-def batch_scheduling_allowed() -> bool:
-    """Whether a worker may put itself under ``SCHED_BATCH`` here (``sched_batch_workers``):
-    tried in a short-lived thread, since the policy is the calling thread's own, so this
-    process's is left as it is.
-
-    Example:
-        >>> batch_scheduling_allowed() in (True, False)
-        True
-    """
-    result: list[bool] = []
-    probe = threading.Thread(
-        target=lambda: result.append(_platform.set_batch_scheduling()), name="torchrl_ext-sched-probe"
-    )
-    probe.start()
-    probe.join()
-    return bool(result and result[0])
 
 
 class OrphanProbe(NamedTuple):

@@ -199,7 +199,6 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
                 owner_raises_errors=options.raises_env_errors,
                 command_spin=options.command_spin,
                 step_path_off=step_path_off,
-                sched_batch=options.batch_workers,
             ),
         )
         for i, kwargs in enumerate(user_kwargs)

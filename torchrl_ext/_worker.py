@@ -70,9 +70,6 @@ class WorkerConfig:
     #: Why the main process runs TorchRL's step path by choice (``_step_path.switched_off``
     #: at the start); ``None``: this worker plans its steps where it can.
     step_path_off: str | None = None
-    #: Run under ``SCHED_BATCH`` (``Options.batch_workers``): the main process telling the
-    #: workers of a step one by one is not preempted by the first one it woke.
-    sched_batch: bool = False
 
 
 class _CommandRecorder:
@@ -284,8 +281,6 @@ def prepare_process(config: WorkerConfig) -> None:
         # TorchRL <= 0.10 hard-codes daemonic workers; the flag only matters inside this
         # process (it forbids children), and this process's children are supervised.
         _cpython.set_daemon_in_config(current, False)
-    if config.sched_batch and not _platform.set_batch_scheduling():
-        log.debug("worker %d keeps its scheduling policy: SCHED_BATCH is not available here", config.index)
 
 
 def _plan_steps(recorder: _CommandRecorder, kwargs: dict[str, Any], config: WorkerConfig) -> None:
