@@ -57,11 +57,12 @@ def test_a_reaper_forked_after_the_baseline_by_an_earlier_shim_is_not_a_leftover
     )
     try:
         shim = psutil.Process(_reaper_client._handle.pid)  # type: ignore[union-attr]
-        wait_until(lambda: shim.children() and psutil.Process(other.pid).children(), "both forked")
-        late = {shim.children()[0], psutil.Process(other.pid).children()[0]}
-        before = process_keys() - {key_of(p) for p in late}  # as if both came after the baseline
+        parent = psutil.Process(other.pid)
+        wait_until(lambda: shim.children() and parent.children(), "both forked")
+        reaper, unrelated = shim.children()[0], parent.children()[0]
+        before = process_keys() - {key_of(reaper), key_of(unrelated)}  # as if both came after it
         live, zombies = leftovers(before)
-        assert [p.pid for p in live] == [psutil.Process(other.pid).children()[0].pid] and not zombies
+        assert [p.pid for p in live] == [unrelated.pid] and not zombies
     finally:
         other.communicate(b"\n", timeout=60)
         _reaper_client.release()
