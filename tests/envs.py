@@ -282,6 +282,16 @@ class ToyEnv(EnvBase):
     def _set_seed(self, seed: int | None) -> None:
         self._episode = int(seed or 0) % 8
 
+    def raise_after_the_next_command(self, first: int) -> None:
+        """Forwarded to every worker (``env.raise_after_the_next_command(first)``): the worker
+        of pid ``first`` (slot 0's: the one whose answer the main process reads first) raises at
+        once, so the call raises in the main process; every other one raises only once the
+        main process's next command has arrived on its pipe (or the pipe closed): its loss is
+        seen after that command was sent to it."""
+        if os.getpid() != first:
+            _command_pipe().poll(None)
+        raise RuntimeError("boom in a forwarded call")
+
     def close(self, *args: Any, **kwargs: Any) -> None:
         if self._in_worker() and self.pid_dir and not getattr(self, "_closed_once", False):
             self._closed_once = True
@@ -311,6 +321,17 @@ def _claim(path: str) -> bool:
     os.write(fd, str(os.getpid()).encode())
     os.close(fd)
     return True
+
+
+def _command_pipe() -> Any:
+    """The worker's end of its command pipe, found in the worker loop's frame (TorchRL's loop
+    names it ``child_pipe``; on the managed step path it is the recorder that wraps it)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if "child_pipe" in frame.f_locals:
+            return frame.f_locals["child_pipe"]
+        frame = frame.f_back  # type: ignore[assignment]
+    raise RuntimeError("not called from a worker's loop: no child_pipe in the calling frames")
 
 
 def _loader_worker_starts(pid_dir: str, env_worker: int, worker_id: int) -> None:

@@ -230,6 +230,30 @@ def test_a_failed_forwarded_call_is_a_loss_with_restarts(method: str) -> None:
         env.close()
 
 
+@pytest.mark.parametrize("method", NOT_SPAWNED)
+def test_a_worker_lost_after_the_next_command_was_sent_is_judged_by_the_call_it_raised_in(
+    method: str,
+) -> None:
+    """Worker 1's env raises in the forwarded call only once the next command (the rollout's
+    reset) is on its pipe: its loss is seen with ``reset`` as its channel's last command. What
+    decides (a forwarded call's error is a loss, ``restart_on_error`` or not) is the call the
+    worker says it raised in, so both slots are replaced and the rollout runs."""
+    env = ManagedParallelEnv(
+        2, functools.partial(make_env), daemon_workers=False, max_restarts=2, **start_kwargs(method)
+    )
+    try:
+        env.reset()
+        with pytest.raises(AttributeError):
+            env.raise_after_the_next_command(env.worker_pids[0])
+        out = env.rollout(3, break_when_any_done=False)
+        assert out.batch_size == torch.Size([2, 3])
+        assert sorted(r.slot for r in env.restarts) == [0, 1]
+        assert {r.cause for r in env.restarts} == {"AttributeError"}
+        assert {r.command for r in env.restarts} == {"raise_after_the_next_command"}
+    finally:
+        env.close()
+
+
 @pytest.mark.compat
 def test_a_pickled_env_keeps_its_options_and_leaves_the_start_to_where_it_lands() -> None:
     """A copy (what a collector worker receives) carries the options, no records, and starts

@@ -16,7 +16,7 @@ from ._compat import COMMANDS, NO_PIPE_ANSWER
 from ._step_path import STEP_AND_MAYBE_RESET, STEP_WIRE
 from ._wait import wait_for
 
-__all__ = ["ParentChannel", "RestartableChannel", "is_forwarded_call"]
+__all__ = ["ParentChannel", "RestartableChannel", "command_name", "is_forwarded_call"]
 
 
 class ParentChannel:
@@ -37,8 +37,7 @@ class ParentChannel:
         self.poll = conn.poll
 
     def send(self, obj: Any) -> None:
-        if isinstance(obj, tuple) and obj and isinstance(obj[0], str):
-            self.last_command = obj[0]
+        self.last_command = command_name(obj) or self.last_command
         _send(self._conn, obj)
 
     def recv(self) -> Any:
@@ -63,6 +62,16 @@ def _send(conn: Any, obj: Any) -> None:
         os.write(conn.fileno(), STEP_WIRE)
     else:
         conn.send(obj)
+
+
+def command_name(message: Any) -> str | None:
+    """The name every record and error gives the command of ``message``, a worker pipe's
+    ``(command, data)``, on both ends: the command, or the ``repr`` of a chained attribute's path
+    (``env.a.b()`` sends ``("a", "b")``); ``None`` for a message that carries no command."""
+    if not isinstance(message, tuple) or not message or message[0] is None:
+        return None
+    command = message[0]
+    return command if isinstance(command, str) else repr(command)
 
 
 def is_forwarded_call(command: str | None) -> bool:
@@ -104,7 +113,7 @@ class RestartableChannel(ParentChannel):
                         target.send(obj)
                         return
                     command = obj[0]
-            self.last_command = command if isinstance(command, str) else repr(command)
+            self.last_command = command_name(obj)
             self.last_message = obj
         try:
             _send(self._conn, obj)

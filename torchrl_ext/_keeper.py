@@ -302,8 +302,11 @@ class SlotKeeper:
         env_error = not isinstance(lost.failure, WorkerDiedError)
         # A call forwarded to the env (``env.method()``) already raised the env's error to its
         # caller; the worker only died because TorchRL's loop ends on it: a loss like any other.
+        # The call is the one the worker says it raised in: the next call may have been sent to
+        # it (its channel's last command) before its loss was seen.
+        raised_in = lost.raised_in if lost.raised_in is not None else command
         setting = self.options.restart_on_error
-        if env_error and not restarts_on_error(setting, lost.failure) and not is_forwarded_call(command):
+        if env_error and not restarts_on_error(setting, lost.failure) and not is_forwarded_call(raised_in):
             self.give_up(supervisor, lost, f"its env raised (restart_on_error={setting!r})")
         if not self.budget.allows(time.monotonic()):
             self.give_up(supervisor, lost, f"more losses than {self.budget.describe()}")
@@ -432,7 +435,7 @@ class SlotKeeper:
                 lost.pid,
                 worker.process.pid,
                 self._cause(lost),
-                lost.channel.last_command,
+                lost.command,
                 time.time() - waited,
                 waited,
                 stacks=getattr(lost.failure, "stacks", None),

@@ -94,6 +94,14 @@ class Loss:
     #: Its create time (``_identity.start_time``, on ``_identity.clock()``): its identity, and
     #: how long it ran (the restart backoff's rows).
     create_time: float = 0.0
+    #: The command its env raised in, as the worker reported it (``None``: no report, or it
+    #: raised while building its env). Not ``channel.last_command``, which may be a later one.
+    raised_in: str | None = None
+
+    @property
+    def command(self) -> str | None:
+        """The command it was lost in: the one its env raised in, else its channel's last."""
+        return self.raised_in if self.raised_in is not None else self.channel.last_command
 
 
 @dataclass(eq=False)
@@ -116,6 +124,10 @@ class WorkerRecord:
     descendants: dict[_identity.ProcessKey, psutil.Process] = field(default_factory=dict)
     #: Why it was lost (a ``WorkerError``, or its env's exception); ``None`` while it runs. The supervisor.
     failure: BaseException | None = None
+    #: The command its env raised in, from its own report (``None``: no report, or it raised
+    #: while building its env): a command sent after it raised may be its channel's last
+    #: already. The supervisor, with ``failure``.
+    raised_in: str | None = None
     #: Its exit code, once collected (``None`` before, or if it could not be). Whoever ends it.
     exitcode: int | None = None
     #: How many descendants were killed with its tree at its exit. The supervisor.
@@ -165,6 +177,7 @@ class WorkerRecord:
             self.descendants_killed,
             self.channel,
             self.create_time,
+            self.raised_in,
         )
 
     def refresh(self, found: list[psutil.Process]) -> None:

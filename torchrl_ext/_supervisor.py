@@ -353,7 +353,7 @@ class WorkerSupervisor:
         worker.oom = worker.oom_kill(self.stats.sampler.rss_of(worker) if self.stats else None)
         if closing:
             return
-        failure = self._failure_for(worker)
+        failure, raised_in = self._failure_for(worker)
         # Kill the dead worker's tree before anyone can see the failure: once the error is
         # raised, nothing of that worker is left.
         # It was alive a moment ago, so its process group cannot have been recycled yet.
@@ -373,7 +373,7 @@ class WorkerSupervisor:
         if self.stats is not None:
             self.stats.losses.count(worker.hung, failure)
         with self._lock:
-            worker.failure = failure
+            worker.failure, worker.raised_in = failure, raised_in
             if self.restartable:
                 self.lost.append(worker)
             elif self.first_failure is None:
@@ -381,16 +381,22 @@ class WorkerSupervisor:
         self._failure_seen.set()
         self.done_signal.notify()
 
-    def _failure_for(self, worker: WorkerRecord) -> BaseException:
+    def _failure_for(self, worker: WorkerRecord) -> tuple[BaseException, str | None]:
+        """Why ``worker`` was lost, and the command its env raised in (from its report)."""
         last_command = worker.channel.last_command
         if worker.hung:
-            return WorkerHungError(
+            hung = WorkerHungError(
                 worker.index, worker.pid, last_command, worker.hang_timeout, stacks=worker.stacks
             )
+            return hung, None
         report = read_report(self.report_path(worker.index))
         if report is None:
-            return WorkerDiedError(worker.index, worker.pid, worker.exitcode, last_command, oom=worker.oom)
-        return rebuild_exception(report, worker.index, worker.pid)
+            died = WorkerDiedError(worker.index, worker.pid, worker.exitcode, last_command, oom=worker.oom)
+            return died, None
+        raised_in = report.get("last_command")
+        return rebuild_exception(report, worker.index, worker.pid), raised_in if isinstance(
+            raised_in, str
+        ) else None
 
     def startup_failure(self) -> BaseException | None:
         """The error that explains a failed start (see :func:`_record.startup_failure`)."""

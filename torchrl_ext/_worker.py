@@ -28,6 +28,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from . import _cpython, _identity, _platform, _reaper_client, _stacks
+from ._channel import command_name
 from ._done_signal import NotifyingFlags
 from ._errors import DaemonicWorkerError
 from ._step_path import STEP_BYTES, WorkerPlan, worker_reason
@@ -112,16 +113,16 @@ class _CommandRecorder:
                 plan.step_and_maybe_reset()
                 continue
             msg = ForkingPickler.loads(raw)
-            if isinstance(msg, tuple) and msg and isinstance(msg[0], str):
-                if msg[0] == PREPARE_RESET:  # ours: answered here, the loop waits for the next
-                    self._conn.send((PREPARE_RESET, _PreparedReset.prepare(self._env())))
+            if isinstance(msg, tuple) and msg and msg[0] == PREPARE_RESET:
+                # ours: answered here, the loop waits for the next
+                self._conn.send((PREPARE_RESET, _PreparedReset.prepare(self._env())))
+                continue
+            self.last_command = command_name(msg) or self.last_command
+            if plan is not None and isinstance(msg, tuple) and msg and isinstance(msg[0], str):
+                if plan.ready and len(msg) == 2 and plan.handle(msg[0], msg[1]):
                     continue
-                self.last_command = msg[0]
-                if plan is not None:
-                    if plan.ready and len(msg) == 2 and plan.handle(msg[0], msg[1]):
-                        continue
-                    if msg[0] == "init":  # TorchRL's loop builds its views too, on return
-                        plan.init()
+                if msg[0] == "init":  # TorchRL's loop builds its views too, on return
+                    plan.init()
             return msg
 
     def kept_env(self) -> Any:
