@@ -87,8 +87,9 @@ class ToyEnv(EnvBase):
             once = os.path.exists(init_gate + ".once") and _claim(init_gate + ".once.taken")
             if os.path.exists(init_gate + ".armed") or once:
                 if pid_dir:
-                    with open(os.path.join(pid_dir, f"building-{os.getpid()}-{os.getpid()}"), "w") as fh:
-                        fh.write(str(os.getpid()))
+                    _write_whole(
+                        os.path.join(pid_dir, f"building-{os.getpid()}-{os.getpid()}"), str(os.getpid())
+                    )
                 while not os.path.exists(init_gate):
                     time.sleep(0.005)
         self.loader_kind = loader
@@ -136,8 +137,7 @@ class ToyEnv(EnvBase):
         if subprocess_kind is not None and self._in_worker():
             self._start_subprocess(subprocess_kind)
         if pid_dir is not None and self._in_worker():
-            with open(os.path.join(pid_dir, f"pdeathsig-{os.getpid()}"), "w") as fh:
-                fh.write(str(_parent_death_signal()))
+            _write_whole(os.path.join(pid_dir, f"pdeathsig-{os.getpid()}"), str(_parent_death_signal()))
         if leak_in_init:  # a badly behaved env: its close() never stops this one
             cmd = [sys.executable, "-c", "import time\nwhile True: time.sleep(1)"]
             self._record("leak", subprocess.Popen(cmd).pid)
@@ -168,8 +168,7 @@ class ToyEnv(EnvBase):
 
     def _record(self, what: str, pid: int) -> None:
         if self.pid_dir:
-            with open(os.path.join(self.pid_dir, f"{what}-{os.getpid()}-{pid}"), "w") as fh:
-                fh.write(str(pid))
+            _write_whole(os.path.join(self.pid_dir, f"{what}-{os.getpid()}-{pid}"), str(pid))
 
     def _next_episode(self) -> torch.Tensor:
         if self.loader_kind == "none":
@@ -312,6 +311,17 @@ class ToyEnv(EnvBase):
         super().close(*args, **kwargs)
 
 
+def _write_whole(path: str, text: str) -> None:
+    """Write ``path`` so that no reader sees it empty or partly written (a test polls for these
+    files and reads them at once): a hidden file beside it, which no test's pattern matches,
+    renamed into place."""
+    directory, name = os.path.split(path)
+    part = os.path.join(directory, f".{name}.part")
+    with open(part, "w") as fh:
+        fh.write(text)
+    os.replace(part, path)
+
+
 def _claim(path: str) -> bool:
     """Create ``path`` with this process's pid in it; False if it exists already."""
     try:
@@ -338,8 +348,7 @@ def _loader_worker_starts(pid_dir: str, env_worker: int, worker_id: int) -> None
     """A DataLoader ``worker_init_fn`` that records that this loader worker started, then never
     returns (as one stuck opening its data would): the worker stays in its start-up, before
     torch's loop (and its watch of the parent) begins, and no batch is ever delivered."""
-    with open(os.path.join(pid_dir, f"dlstart-{env_worker}-{os.getpid()}"), "w") as fh:
-        fh.write(str(os.getpid()))
+    _write_whole(os.path.join(pid_dir, f"dlstart-{env_worker}-{os.getpid()}"), str(os.getpid()))
     while True:
         time.sleep(1)
 
