@@ -237,9 +237,16 @@ def test_a_worker_lost_after_the_next_command_was_sent_is_judged_by_the_call_it_
     """Worker 1's env raises in the forwarded call only once the next command (the rollout's
     reset) is on its pipe: its loss is seen with ``reset`` as its channel's last command. What
     decides (a forwarded call's error is a loss, ``restart_on_error`` or not) is the call the
-    worker says it raised in, so both slots are replaced and the rollout runs."""
+    worker says it raised in, so both slots are replaced and the rollout runs. (Before the
+    reset is sent, replacing slot 0 waits up to ``shutdown_timeout`` for worker 1's answer to
+    the call, which never comes: hence the short one.)"""
     env = ManagedParallelEnv(
-        2, functools.partial(make_env), daemon_workers=False, max_restarts=2, **start_kwargs(method)
+        2,
+        functools.partial(make_env),
+        daemon_workers=False,
+        max_restarts=2,
+        shutdown_timeout=2.0,
+        **start_kwargs(method),
     )
     try:
         env.reset()
