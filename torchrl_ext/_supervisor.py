@@ -394,9 +394,8 @@ class WorkerSupervisor:
             died = WorkerDiedError(worker.index, worker.pid, worker.exitcode, last_command, oom=worker.oom)
             return died, None
         raised_in = report.get("last_command")
-        return rebuild_exception(report, worker.index, worker.pid), raised_in if isinstance(
-            raised_in, str
-        ) else None
+        failure = rebuild_exception(report, worker.index, worker.pid)
+        return failure, raised_in if isinstance(raised_in, str) else None
 
     def startup_failure(self) -> BaseException | None:
         """The error that explains a failed start (see :func:`_record.startup_failure`)."""
