@@ -72,6 +72,7 @@ __all__ = [
     "WorkerPlan",
     "parent_reason",
     "switched_off",
+    "unplannable",
     "worker_reason",
 ]
 
@@ -102,8 +103,30 @@ def _leaves(td: TensorDictBase) -> list[tuple[Key, torch.Tensor]]:
     return [(key, td.get(key)) for key in td.keys(True, True)]
 
 
-def _all_cpu(td: TensorDictBase) -> bool:
-    return all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for _, t in _leaves(td))
+def unplannable(td: TensorDictBase, where: str = "") -> str | None:
+    """What in ``td`` the planned copies cannot serve (``None``: every entry, at every depth,
+    is a CPU tensor or a plain ``TensorDict``). It walks the entries as they are stored and
+    reads no leaf through ``get``: a lazily stacked entry of heterogeneous shapes cannot be
+    read whole (TorchRL's own path serves it, entry by entry).
+
+    Example:
+        >>> unplannable(TensorDict({"a": torch.zeros(2), "b": {"c": torch.zeros(1)}}, []))
+        >>> unplannable(TensorDict({"a": {"b": "text"}}, []))
+        "a NonTensorData under 'a.b'"
+    """
+    if type(td) is not TensorDict:
+        return f"a {type(td).__name__} under {where!r}" if where else f"a {type(td).__name__}"
+    for name, value in td._tensordict.items():
+        key = f"{where}.{name}" if where else name
+        if isinstance(value, TensorDictBase):
+            found = unplannable(value, key)
+            if found is not None:
+                return found
+        elif not isinstance(value, torch.Tensor):
+            return f"a {type(value).__name__} under {key!r}"
+        elif value.device.type != "cpu":
+            return f"a {value.device.type} tensor under {key!r}"
+    return None
 
 
 # --------------------------------------------------------------------------- the worker's side
@@ -141,8 +164,9 @@ def worker_reason(
         return "TorchRL < 0.11 answers through events, not shared flags"
     if non_tensor_keys:
         return "the specs have non-tensor entries (answered on the pipe)"
-    if not isinstance(shared, TensorDict) or not _all_cpu(shared):
-        return "the shared buffers are not all CPU tensors of one TensorDict"
+    found = unplannable(shared)
+    if found is not None:
+        return f"the shared buffers hold {found} (only CPU tensors in plain TensorDicts are planned)"
     return None
 
 
@@ -313,8 +337,11 @@ def parent_reason(env: Any) -> str | None:
     parent = upstream.parent_buffer
     if not isinstance(parent, TensorDict):
         return "the shared buffers are lazily stacked (different specs per worker)"
-    if not _all_cpu(parent) or env.device != parent.device:
-        return "a device other than the CPU (or the env's device differs from its buffers')"
+    found = unplannable(parent)
+    if found is not None:
+        return f"the shared buffers hold {found} (only CPU tensors in plain TensorDicts are planned)"
+    if env.device != parent.device:
+        return "the env's device differs from its shared buffers'"
     if upstream.worker_indices is not None and upstream.parent_env is not None:
         return "an indexed view of the env"
     return None
@@ -352,9 +379,7 @@ def _clone_plan(td: TensorDictBase) -> _ClonePlan:
     plan: _ClonePlan = []
     for name in td.keys():  # noqa: SIM118 (iterating a TensorDict iterates its batch)
         value = td.get(name)
-        if isinstance(value, TensorDictBase):
-            if type(value) is not TensorDict:
-                raise TypeError(type(value).__name__)
+        if isinstance(value, TensorDictBase):  # a plain TensorDict (parent_reason: unplannable)
             plan.append((name, (_clone_plan(value), value.batch_size, value.device, value._maybe_names())))
         else:
             plan.append((name, value))
@@ -402,10 +427,7 @@ class StepPath:
             return None
         self.reason = parent_reason(env)
         if self.reason is None:
-            try:
-                self.plan = ParentPlan(upstream)
-            except TypeError as err:  # a nested entry that is not a plain TensorDict
-                self.reason = f"the shared buffers hold a {err}"
+            self.plan = ParentPlan(upstream)
         return self.plan
 
 

@@ -319,3 +319,55 @@ class DtypesEnv(EnvBase):
 
 def make_dtypes_env(**kwargs: Any) -> DtypesEnv:
     return DtypesEnv(**kwargs)
+
+
+class HeteroAgentsEnv(EnvBase):
+    """Two agents per env whose observations differ in size: the spec stacks two different
+    ``Composite``s, so TorchRL's shared buffers hold a ``LazyStackedTensorDict`` (a structure
+    the managed step path leaves to TorchRL's). Deterministic in its seed and actions."""
+
+    SIZES = (1, 3)
+
+    def __init__(self, max_steps: int = 3, **kwargs: Any) -> None:
+        super().__init__(batch_size=torch.Size([len(self.SIZES)]), **kwargs)
+        self.max_steps = int(max_steps)
+        self._gen = torch.Generator().manual_seed(0)
+        self._t = 0
+        agents = torch.stack([Composite(obs=Unbounded(shape=(size,))) for size in self.SIZES], dim=0)
+        self.observation_spec = Composite(agents=agents, shape=self.batch_size)
+        self.action_spec = Bounded(-1.0, 1.0, shape=(*self.batch_size, 1))
+        self.reward_spec = Unbounded(shape=(*self.batch_size, 1))
+
+    def _agents(self, action: torch.Tensor) -> TensorDictBase:
+        from tensordict import LazyStackedTensorDict
+
+        rows = [
+            TensorDict({"obs": torch.rand(size, generator=self._gen) + action[i].sum() + self._t}, [])
+            for i, size in enumerate(self.SIZES)
+        ]
+        return LazyStackedTensorDict(*rows, stack_dim=0)
+
+    def _done(self) -> torch.Tensor:
+        return torch.full((*self.batch_size, 1), self._t >= self.max_steps, dtype=torch.bool)
+
+    def _reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
+        self._t = 0
+        done = self._done()
+        agents = self._agents(torch.zeros(*self.batch_size, 1))
+        return TensorDict(
+            {"agents": agents, "done": done, "terminated": done.clone()}, batch_size=self.batch_size
+        )
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        self._t += 1
+        action = tensordict.get("action")
+        done = self._done()
+        out = {"agents": self._agents(action), "reward": action.clone(), "done": done}
+        return TensorDict({**out, "terminated": done.clone()}, batch_size=self.batch_size)
+
+    def _set_seed(self, seed: int | None) -> None:
+        self._gen.manual_seed(int(seed or 0))
+
+
+def make_hetero_agents_env(**kwargs: Any) -> HeteroAgentsEnv:
+    return HeteroAgentsEnv(**kwargs)

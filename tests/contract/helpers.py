@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
+from tensordict.base import _default_is_leaf
 from torchrl.data import TensorSpec
 from torchrl.envs import ParallelEnv
 from torchrl.envs.batched_envs import BatchedEnvBase
@@ -212,8 +213,18 @@ def _fail(path: str, expected: Any, actual: Any, what: str) -> None:
     )
 
 
-def _leaves(td: TensorDictBase) -> dict[Any, Any]:
-    return dict(td.items(include_nested=True, leaves_only=True))
+def _leaves(td: TensorDictBase, prefix: tuple[str, ...] = ()) -> dict[Any, Any]:
+    """``td``'s leaves by key, walked level by level: tensordict's own leaves, and lazy stacks
+    (compared stacked tensordict by stacked tensordict, since entries of different shapes
+    cannot be read as one tensor)."""
+    found: dict[Any, Any] = {}
+    for name, value in td.items():
+        path = (*prefix, name)
+        if _default_is_leaf(type(value)) or type(value) is LazyStackedTensorDict:
+            found[path[0] if len(path) == 1 else path] = value
+        else:
+            found.update(_leaves(value, path))
+    return found
 
 
 def assert_same(expected: Any, actual: Any, path: str = "result", exact: bool = True) -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.conftest import START_METHODS
-from tests.contract.envs import make_dtypes_env
+from tests.contract.envs import make_dtypes_env, make_hetero_agents_env
 from tests.contract.helpers import HAS_DAEMON, Record, Variant, assert_same_as_upstream, closing, run_variants
 from torchrl_ext import ManagedParallelEnv, _step_path
 
@@ -83,6 +83,37 @@ def test_step_path_outputs_are_upstreams(mp_start_method: str) -> None:
         assert managed_path == ("managed", "tensor-only CPU specs in shared buffers")
     else:
         assert managed_path[0] == "torchrl"
+
+
+@pytest.mark.parametrize("mp_start_method", ["default", *START_METHODS])
+@pytest.mark.compat
+def test_lazily_stacked_entries_in_the_buffers_run_torchrls_step_path(mp_start_method: str) -> None:
+    """An env whose own specs stack different ``Composite``s (two agents, observations of
+    different sizes): TorchRL's shared buffers hold a ``LazyStackedTensorDict``, which the
+    planned copies do not serve. Both sides leave it to TorchRL's path (before, the workers'
+    check read it whole and died at start), and the data is upstream's."""
+    paths: list[Any] = []
+
+    def scenario(variant: Variant, rec: Record) -> None:
+        env = variant(2, functools.partial(make_hetero_agents_env), mp_start_method=mp_start_method)
+        with closing(env):
+            env.set_seed(5)
+            torch.manual_seed(0)
+            root = rec("reset", env.reset)
+            for i in range(4):
+                data, root = env.step_and_maybe_reset(env.rand_action(root))
+                rec.value(f"step {i}", (data, root))
+            rec("rollout", lambda: env.rollout(5, break_when_any_done=False))
+            paths.append(env.step_path if isinstance(env, ManagedParallelEnv) else None)
+
+    assert_same_as_upstream(run_variants(scenario))
+    managed_path = paths[1]
+    if managed_path is not None and MANAGED_PATH:  # None: upstream against itself
+        assert managed_path == (
+            "torchrl",
+            "the shared buffers hold a LazyStackedTensorDict under 'agents' "
+            "(only CPU tensors in plain TensorDicts are planned)",
+        )
 
 
 @pytest.mark.parametrize("mp_start_method", ["default", "fork"])
