@@ -26,6 +26,7 @@ from ._compat import (
     check_supported,
     default_start_method,
 )
+from ._errors import named_as_upstream
 from ._marks import add_restart_keys
 from ._options import DEFAULT_SHUTDOWN_TIMEOUT, Options
 from ._plan import preload_modules, spec_reader
@@ -311,7 +312,11 @@ class ManagedParallelEnv(ParallelEnv):
         return out
 
     def _set_properties(self) -> None:
-        super()._set_properties()
+        try:
+            super()._set_properties()
+        except Exception as err:  # TorchRL's spec checks name the class
+            named_as_upstream(err, self)
+            raise
         state: EnvState | None = self.__dict__.get("_managed_state")
         if state is not None and state.keeper.restarts_on:
             added = add_restart_keys(self)
@@ -340,6 +345,14 @@ class ManagedParallelEnv(ParallelEnv):
     # ------------------------------------------------------------------ calls (_calls)
     def _wait_for_workers(self, workers_range: Any) -> None:
         _calls.wait(self, workers_range, super()._wait_for_workers)
+
+    @functools.wraps(ParallelEnv.reset)  # upstream's signature and docstring
+    def reset(self, tensordict: Any = None, **kwargs: Any) -> Any:
+        try:
+            return super().reset(tensordict, **kwargs)
+        except Exception as err:  # TorchRL's checks of the arguments name the class
+            named_as_upstream(err, self)
+            raise
 
     def _reset(self, tensordict: Any, **kwargs: Any) -> Any:
         out = _calls.measured(self, RESET, functools.partial(super()._reset, **kwargs), tensordict)

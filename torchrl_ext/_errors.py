@@ -6,6 +6,7 @@ See ``docs/troubleshooting.md`` for every error's cause and fix.
 from __future__ import annotations
 
 import pickle
+import re
 import signal
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ __all__ = [
     "WorkerStartTimeoutError",
     "format_exitcode",
     "hint_for_exitcode",
+    "named_as_upstream",
     "unpicklable_note",
 ]
 
@@ -69,6 +71,40 @@ def hint_for_exitcode(exitcode: int | None) -> str:
         "the worker exited with an error; its stderr above shows the traceback. A worker that "
         "ends without a traceback may have called `os._exit`."
     )
+
+
+#: Our class, and the TorchRL class a user's code names where it swapped the import.
+_OURS, _THEIRS = "ManagedParallelEnv", "ParallelEnv"
+_OURS_WORD = re.compile(rf"\b{_OURS}\b(?!\[)")  # not our own label, "ManagedParallelEnv[env id]"
+
+
+def named_as_upstream(err: BaseException, env: Any) -> None:
+    """An error TorchRL's own code raised about a ``ManagedParallelEnv`` names the class as
+    upstream's names it (``ParallelEnv``), as the user's code that swapped the import expects.
+
+    TorchRL builds some messages from ``type(self).__name__`` ("The environment passed to
+    ParallelEnv has empty specs ..."). The exception is changed in place (same object, type,
+    traceback and chain); one raised elsewhere (ours, the env's in a worker), or about a
+    subclass of ours (upstream would name that subclass too), is left as it is.
+
+    Example:
+        >>> class ManagedParallelEnv: ...
+        >>> err = RuntimeError("ManagedParallelEnv worker 0 died")  # not raised by TorchRL
+        >>> named_as_upstream(err, ManagedParallelEnv()); str(err)
+        'ManagedParallelEnv worker 0 died'
+    """
+    cls = type(env)
+    if cls.__name__ != _OURS or not cls.__module__.startswith("torchrl_ext"):
+        return
+    tb = err.__traceback__
+    if tb is None:
+        return
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "")
+    if not (module == "torchrl" or module.startswith("torchrl.")):
+        return
+    err.args = tuple(_OURS_WORD.sub(_THEIRS, a) if isinstance(a, str) else a for a in err.args)
 
 
 def _pickling_error(obj: Any, pickler: Any) -> str | None:

@@ -371,3 +371,29 @@ class HeteroAgentsEnv(EnvBase):
 
 def make_hetero_agents_env(**kwargs: Any) -> HeteroAgentsEnv:
     return HeteroAgentsEnv(**kwargs)
+
+
+class EmptySpecsEnv(EnvBase):
+    """An env with empty ``Composite`` entries in its specs: a batched env of it fails TorchRL's
+    empty-spec check (``RemoveEmptySpecs`` is the documented fix); the message names the class."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(batch_size=torch.Size([]), **kwargs)
+        self.observation_spec = Composite(observation=Unbounded(shape=(OBS,)), other=Composite())
+        self.action_spec = Bounded(-1.0, 1.0, shape=(1,))
+        self.reward_spec = Unbounded(shape=(1,))
+        self.state_spec = Composite(state=Composite(sub=Composite()))
+
+    def _reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
+        return self.observation_spec.zero().update(self.full_done_spec.zero())
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        out = self.observation_spec.zero().update(self.full_done_spec.zero())
+        return out.update(self.full_reward_spec.zero())
+
+    def _set_seed(self, seed: int | None) -> None:
+        pass
+
+
+def make_empty_specs_env(**kwargs: Any) -> EmptySpecsEnv:
+    return EmptySpecsEnv(**kwargs)

@@ -27,13 +27,14 @@ from typing import Any
 import pytest
 import torch
 from tensordict import TensorDict
-from torchrl.envs import EnvCreator, TrajCounter
+from torchrl.envs import EnvCreator, RemoveEmptySpecs, TrajCounter, TransformedEnv
 from torchrl.envs.utils import step_mdp
 
 from tests.conftest import START_METHODS
 from tests.contract.envs import (
     make_child_in_reset_env,
     make_counting_env,
+    make_empty_specs_env,
     make_failing_env,
     make_nested_env,
     make_slow_close_env,
@@ -563,4 +564,52 @@ def test_close_of_a_closed_env(mp_start_method: str) -> None:
     records = run_variants(scenario)
     again = records[UPSTREAM.name].steps["close() again"]
     assert again == Raised("builtins.RuntimeError", "trying to close a closed environment"), again
+    assert_same_as_upstream(records)
+
+
+@every_start_method
+@pytest.mark.compat
+def test_torchrl_s_own_errors_name_the_class_as_upstream_s_do(mp_start_method: str) -> None:
+    """TorchRL's empty-spec check names the env's class (``type(self).__name__``); with the
+    import swapped the message is upstream's word for word, not only once class names are
+    normalized as the other contract cases compare them (TorchRL's own transform tests match
+    "The environment passed to ParallelEnv has empty specs")."""
+
+    def scenario(variant: Variant, rec: Record) -> None:
+        env = None
+        try:
+            env = variant(2, make_empty_specs_env, mp_start_method=mp_start_method)
+            TransformedEnv(env, RemoveEmptySpecs())
+            rec.value("construct", None)
+        except RuntimeError as err:
+            rec.value("construct", (type(err).__qualname__, str(err)))
+        finally:
+            if env is not None:
+                close_quietly(env)
+
+    records = run_variants(scenario)
+    error = records[UPSTREAM.name].steps["construct"]
+    assert error is not None and error[1].startswith("The environment passed to ParallelEnv has empty specs")
+    assert_same_as_upstream(records)
+
+
+@every_start_method
+@pytest.mark.compat
+def test_reset_s_argument_errors_name_the_class_as_upstream_s_do(mp_start_method: str) -> None:
+    """``reset(set_state=True)`` on envs that cannot honour it: TorchRL's check names the class
+    (TorchRL >= 0.14); the error is upstream's word for word (0.10 has no such check: both
+    reset)."""
+
+    def scenario(variant: Variant, rec: Record) -> None:
+        env = variant(2, make_counting_env, mp_start_method=mp_start_method)
+        with closing(env):
+            try:
+                env.reset(set_state=True)
+                rec.value("reset", None)
+            except Exception as err:
+                rec.value("reset", (type(err).__qualname__, str(err)))
+
+    records = run_variants(scenario)
+    error = records[UPSTREAM.name].steps["reset"]
+    assert error is None or error[1].startswith("ParallelEnv does not support deterministic resets"), error
     assert_same_as_upstream(records)
