@@ -35,15 +35,26 @@ def _keys(td: Any) -> list[str]:
     return [str(k) for k in td.keys(True, True)]
 
 
-def _loop(env: Any, rec: Record, paths: list[Any]) -> None:
-    env.set_seed(3)
+def _seeded_steps(env: Any, rec: Record, seed: int, steps: int) -> list[tuple[Any, Any]]:
+    """Seed, reset and ``step_and_maybe_reset`` ``steps`` times on random actions, recording
+    the reset and each step; each step's ``(data, root)``."""
+    env.set_seed(seed)
     torch.manual_seed(0)
     root = rec("reset", env.reset)
-    for i in range(9):
+    out = []
+    for i in range(steps):
         data, root = env.step_and_maybe_reset(env.rand_action(root))
         rec.value(f"step {i}", (data, root))
+        out.append((data, root))
+    return out
+
+
+def _loop(env: Any, rec: Record, paths: list[Any]) -> None:
+    stepped = _seeded_steps(env, rec, seed=3, steps=9)
+    for i, (data, root) in enumerate(stepped):
         rec.value(f"step {i} keys", (_keys(data), _keys(root)))
         rec.value(f"step {i} devices", (str(data.device), str(root.device), str(data["next"].device)))
+    root = stepped[-1][1]
     paths.append(env.step_path if isinstance(env, ManagedParallelEnv) else None)
     # a partial step: worker 1 only (TorchRL's path on both sides of the parent)
     partial = env.rand_action(root).set("_step", torch.tensor([False, True]))
@@ -97,12 +108,7 @@ def test_lazily_stacked_entries_in_the_buffers_run_torchrls_step_path(mp_start_m
     def scenario(variant: Variant, rec: Record) -> None:
         env = variant(2, functools.partial(make_hetero_agents_env), mp_start_method=mp_start_method)
         with closing(env):
-            env.set_seed(5)
-            torch.manual_seed(0)
-            root = rec("reset", env.reset)
-            for i in range(4):
-                data, root = env.step_and_maybe_reset(env.rand_action(root))
-                rec.value(f"step {i}", (data, root))
+            _seeded_steps(env, rec, seed=5, steps=4)
             rec("rollout", lambda: env.rollout(5, break_when_any_done=False))
             paths.append(env.step_path if isinstance(env, ManagedParallelEnv) else None)
 
