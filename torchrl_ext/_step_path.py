@@ -129,6 +129,15 @@ def unplannable(td: TensorDictBase, where: str = "") -> str | None:
     return None
 
 
+def _unplannable_buffers(shared: TensorDictBase) -> str | None:
+    """Either side's reason for TorchRL's path when its shared buffers hold what
+    :func:`unplannable` finds (``None``: nothing)."""
+    found = unplannable(shared)
+    if found is None:
+        return None
+    return f"the shared buffers hold {found} (only CPU tensors in plain TensorDicts are planned)"
+
+
 # --------------------------------------------------------------------------- the worker's side
 def switched_off() -> str | None:
     """Why every managed env of this process runs TorchRL's step path by choice: ``STEP_PATH_VAR``
@@ -164,10 +173,7 @@ def worker_reason(
         return "TorchRL < 0.11 answers through events, not shared flags"
     if non_tensor_keys:
         return "the specs have non-tensor entries (answered on the pipe)"
-    found = unplannable(shared)
-    if found is not None:
-        return f"the shared buffers hold {found} (only CPU tensors in plain TensorDicts are planned)"
-    return None
+    return _unplannable_buffers(shared)
 
 
 class _Copies:
@@ -337,9 +343,9 @@ def parent_reason(env: Any) -> str | None:
     parent = upstream.parent_buffer
     if not isinstance(parent, TensorDict):
         return "the shared buffers are lazily stacked (different specs per worker)"
-    found = unplannable(parent)
+    found = _unplannable_buffers(parent)
     if found is not None:
-        return f"the shared buffers hold {found} (only CPU tensors in plain TensorDicts are planned)"
+        return found
     if env.device != parent.device:
         return "the env's device differs from its shared buffers'"
     if upstream.worker_indices is not None and upstream.parent_env is not None:
