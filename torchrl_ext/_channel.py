@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._compat import COMMANDS, NO_PIPE_ANSWER
+from ._hosts import HOST_STEP_WIRE, StepRole
 from ._step_path import STEP_AND_MAYBE_RESET, STEP_WIRE
 from ._wait import wait_for
 
@@ -33,12 +34,15 @@ class ParentChannel:
         self._conn = conn
         self.last_command: str | None = None
         self.on_eof: Callable[[], BaseException | None] | None = None
+        #: How this slot's batched steps of our path are written (``_hosts.StepRole``); set by
+        #: the supervisor at attach, cleared when the slot's host is broken up.
+        self.step_role: StepRole = None
         # Bound once: polled after every step (no __getattr__ on the hot path).
         self.poll = conn.poll
 
     def send(self, obj: Any) -> None:
         self.last_command = command_name(obj) or self.last_command
-        _send(self._conn, obj)
+        _send(self._conn, obj, self.step_role)
 
     def recv(self) -> Any:
         try:
@@ -53,13 +57,17 @@ class ParentChannel:
         return getattr(self._conn, name)
 
 
-def _send(conn: Any, obj: Any) -> None:
+def _send(conn: Any, obj: Any, role: StepRole = None) -> None:
     """``conn.send(obj)``; the step path's message, once per worker per step, is written as
     ``conn.send`` would write it but in one system call of bytes framed once
-    (:data:`_step_path.STEP_WIRE`). ``fileno()`` is asked each time: it raises on a closed
-    connection, whose descriptor number may belong to another file by then."""
+    (:data:`_step_path.STEP_WIRE`), or as its host's (``role``, ``_hosts``): the host's step
+    on its first slot's pipe, nothing on the others'. ``fileno()`` is asked each time: it raises
+    on a closed connection, whose descriptor number may belong to another file by then."""
     if obj is STEP_AND_MAYBE_RESET:
-        os.write(conn.fileno(), STEP_WIRE)
+        if role is None:
+            os.write(conn.fileno(), STEP_WIRE)
+        elif role == "host":
+            os.write(conn.fileno(), HOST_STEP_WIRE)
     else:
         conn.send(obj)
 
@@ -116,7 +124,7 @@ class RestartableChannel(ParentChannel):
             self.last_command = command_name(obj)
             self.last_message = obj
         try:
-            _send(self._conn, obj)
+            _send(self._conn, obj, self.step_role)
         except (OSError, EOFError):
             return
         if command is not None and not (isinstance(command, str) and command in NO_PIPE_ANSWER):

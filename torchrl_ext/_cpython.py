@@ -24,6 +24,7 @@ import copy
 import importlib
 import inspect
 import multiprocessing.popen_forkserver
+import multiprocessing.process
 import multiprocessing.util
 import os
 from collections.abc import Callable, Sequence
@@ -266,6 +267,18 @@ def process_kwargs(process: Any) -> dict[str, Any]:
 def set_process_kwargs(process: Any, kwargs: dict[str, Any]) -> None:
     """Replace the keyword arguments of an unstarted process."""
     process._kwargs = kwargs
+
+
+def share_popen(member: Any, host: Any) -> None:
+    """Make the unstarted ``member`` answer as the started ``host`` (``_hosts``): its pid,
+    sentinel, ``is_alive()``, ``join()`` and ``exitcode`` are the host's, and it is a child of
+    this process as a started one is; its target and kwargs are dropped as ``start()`` drops
+    them."""
+    member._popen = host._popen
+    member._sentinel = host._popen.sentinel
+    for name in ("_target", "_args", "_kwargs"):
+        member.__dict__.pop(name, None)
+    multiprocessing.process._children.add(member)  # type: ignore[attr-defined]
 
 
 def process_start_method(process: Any) -> str | None:

@@ -127,6 +127,14 @@ class ManagedParallelEnv(ParallelEnv):
             read), its slot's next reset goes to a fresh worker started ahead of time, and the
             old one is closed; no transition is marked (see docs/restarts.md, "Recycling").
         recycle_every: the same after this many episodes (resets) of one worker.
+        envs_per_worker: how many of the envs one worker process steps (default 1: one process
+            per env, as upstream). With more envs than cores, ``k > 1`` puts envs ``0..k-1`` in
+            one process, ``k..2k-1`` in the next, and so on: a batched step wakes one process per
+            ``k`` envs and steps them one after the other there (see docs/design.md, "Several
+            envs per worker"). The envs of a process share its global state (torch's global RNG:
+            an env that draws from it is not bit for bit upstream's), and a process that dies
+            loses all its envs (each is restarted, as its own process, within ``max_restarts``).
+            Needs TorchRL >= 0.11; not with ``recycle_memory``/``recycle_every``.
         **kwargs: everything ``torchrl.envs.ParallelEnv`` accepts.
 
     Example:
@@ -163,6 +171,7 @@ class ManagedParallelEnv(ParallelEnv):
         recycle_memory: int | str | None = None,
         recycle_every: int | None = None,
         collect_stats: bool = True,
+        envs_per_worker: int = 1,
         **kwargs: Any,
     ) -> None:
         if not _upstream_accepts(num_workers, create_env_fn, kwargs):
@@ -190,6 +199,7 @@ class ManagedParallelEnv(ParallelEnv):
             recycle_memory=recycle_memory,
             recycle_every=recycle_every,
             collect_stats=collect_stats,
+            envs_per_worker=envs_per_worker,
         )
         check_supported()
         modules = preload_modules(options, create_env_fn, kwargs.get("mp_start_method"))

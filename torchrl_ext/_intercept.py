@@ -56,12 +56,14 @@ class ConfiguredKwargs(dict[str, Any]):
     is unpacked back into a plain dict in the worker before the factory sees it.
     """
 
-    def __init__(self, items: Any, config: WorkerConfig) -> None:
+    def __init__(self, items: Any, config: WorkerConfig, hosted: tuple[dict[str, Any], ...] = ()) -> None:
         super().__init__(items or {})
         self.worker_config = config
+        #: The worker-function kwargs of the other slots this worker's process hosts (``_hosts``).
+        self.hosted = hosted
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ConfiguredKwargs, (dict(self), self.worker_config))
+        return (ConfiguredKwargs, (dict(self), self.worker_config, self.hosted))
 
 
 def _resolve_entry(name: str) -> Callable[..., Any]:
@@ -90,9 +92,8 @@ class _ManagedEntry:
             # positionally, with the env it built, on the shared buffers' hand-off.
             self._previous(*args, **kwargs)
             return
-        kwargs[key] = dict(env_kwargs)
-        config = env_kwargs.worker_config
-        _worker.run_managed(self._previous, config, kwargs)
+        hosted = [_unpacked(member) for member in env_kwargs.hosted]
+        _worker.run_managed(self._previous, *_unpacked(kwargs), hosted)
 
     def __reduce__(self) -> tuple[Any, ...]:
         previous = self._previous
@@ -102,6 +103,14 @@ class _ManagedEntry:
             # The child resolves TorchRL's function by name, as upstream's pickled target does.
             return (_rebuild_entry, (self._name, None))
         return (_rebuild_entry, (self._name, previous))
+
+
+def _unpacked(kwargs: dict[str, Any]) -> tuple[WorkerConfig, dict[str, Any]]:
+    """A worker's config, and its kwargs with the user's env kwargs as the plain dict they were."""
+    key = WORKER_KWARGS["env_kwargs"]
+    configured = kwargs[key]
+    kwargs[key] = dict(configured)
+    return configured.worker_config, kwargs
 
 
 def is_worker_entry(target: Any) -> bool:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._compat import UPSTREAM_DEFAULTS
+from ._compat import UPSTREAM_DEFAULTS, torchrl_release
 from ._done_signal import DEFAULT_SPIN
 from ._policy import DEFAULT_RESTART_BACKOFF, RestartRecord, parse_bytes
 
@@ -45,6 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "recycle_memory": None,
     "recycle_every": None,
     "collect_stats": True,
+    "envs_per_worker": 1,
 }
 
 
@@ -85,6 +86,8 @@ class Options:
     recycle_memory: int | None
     recycle_every: int | None
     collect_stats: bool
+    #: Envs stepped by one worker process (``_hosts``); 1: one process per env, as upstream.
+    envs_per_worker: int = 1
 
     @classmethod
     def validated(cls, **arguments: Any) -> Options:
@@ -114,6 +117,17 @@ class Options:
                     "recycle_memory needs the memory the supervisor samples: pass collect_stats=True "
                     "(the default), or use recycle_every"
                 )
+        envs_per_worker = int(given["envs_per_worker"])
+        if envs_per_worker > 1 and torchrl_release() < (0, 11):
+            raise ValueError(
+                f"envs_per_worker={envs_per_worker} needs TorchRL >= 0.11 (its workers answer through "
+                "shared flags); this is TorchRL 0.10: pass envs_per_worker=1"
+            )
+        if envs_per_worker > 1 and (given["recycle_memory"] is not None or given["recycle_every"] is not None):
+            raise ValueError(
+                f"envs_per_worker={envs_per_worker} cannot be combined with recycle_memory/recycle_every "
+                "(a recycled worker process holds one env): pass envs_per_worker=1 to recycle workers"
+            )
         resolved = _resolve_daemon(given["daemon_workers"], given["daemon"])
         metadata_in_subprocess = given["metadata_in_subprocess"]
         shutdown_timeout = given["shutdown_timeout"]
@@ -140,6 +154,7 @@ class Options:
             recycle_memory=recycle_memory,
             recycle_every=None if given["recycle_every"] is None else int(given["recycle_every"]),
             collect_stats=given["collect_stats"],
+            envs_per_worker=envs_per_worker,
         )
 
     @property
@@ -289,6 +304,7 @@ ACCEPTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
         _or_none(lambda value: _is_int(value) and value >= 1),
     ),
     "collect_stats": ("True or False", _is_flag),
+    "envs_per_worker": ("an int >= 1", lambda value: _is_int(value) and value >= 1),
 }
 
 

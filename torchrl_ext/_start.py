@@ -32,6 +32,7 @@ from ._intercept import (
     managed_worker_targets,
     worker_context,
 )
+from ._hosts import Hosts, co_hosting
 from ._keeper import SlotKeeper, raise_failure
 from ._options import Options
 from ._plan import StartPlan
@@ -204,6 +205,7 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
         for i, kwargs in enumerate(user_kwargs)
     ]
     install_fault_check()
+    hosts = Hosts(len(user_kwargs), options.envs_per_worker) if options.envs_per_worker > 1 else None
     exit_with_parent = options.exit_with_parent
     if exit_with_parent is None:
         exit_with_parent = _lifecycle.multiprocessing_parent() is not None
@@ -214,6 +216,7 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
             managed_worker_targets(),
             worker_context(env, plan.context),
             plan.tagged(tag),
+            co_hosting(hosts),
             keeper.recording() as started,
             watch,
         ):
@@ -237,7 +240,7 @@ def _start_once(env: Any, state: EnvState, start_upstream: Callable[[], None]) -
         raise
     # Losses (not failures) from here on: the start succeeded (a failed one reports deaths).
     supervisor.enable_restarts(keeper.restarts_on, replaceable=options.replaceable_workers)
-    upstream.channels = supervisor.attach(processes, upstream.channels)
+    upstream.channels = supervisor.attach(processes, upstream.channels, hosts)
     keeper.attached(env, supervisor)
     upstream.workers = SupervisedWorkers(processes, supervisor.check)
     supervisor.done_signal.spare_core = has_spare_core(len(processes))

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.reduction import ForkingPickler
@@ -237,9 +238,14 @@ class WorkerPlan:
         self._shared = shared
         self._reset_keys = list(reset_keys or ())
         self._flags = flags
+        #: The shared flags without the wake-up byte (``_worker`` sets them; a host's steps but
+        #: its last write there, ``_hosts``).
+        self.quiet_flags = flags
         self._idx = worker_idx
         #: Set by :meth:`init`; until then every command is TorchRL's loop's.
         self.ready = False
+        #: Set with ``ready``: a host's first slot waits for it before stepping this one (``_hosts``).
+        self._ready_event = threading.Event()
         self._root: TensorDictBase | None = None
         self._next: TensorDictBase | None = None
         self._reset_copies: _Copies | None = None
@@ -254,6 +260,12 @@ class WorkerPlan:
         self._next_copies = _Copies(self._next)
         self._root_copies = _Copies(self._root)
         self.ready = True
+        self._ready_event.set()
+
+    def wait_ready(self) -> None:
+        """Until :meth:`init` ran (in this slot's own thread of a host, ``_hosts``)."""
+        if not self.ready:
+            self._ready_event.wait()
 
     def await_command(self, poll: Callable[[float], bool]) -> None:
         """Spin, yielding the core, until the pipe has the next command (``poll(0)``) or
@@ -298,12 +310,12 @@ class WorkerPlan:
             root = root.set("next", self._next.select(*keys))
         return root
 
-    def step_and_maybe_reset(self, data: Any = None) -> None:
+    def step_and_maybe_reset(self, data: Any = None, quiet: bool = False) -> None:
         assert self._root is not None and self._next_copies and self._root_copies
         td, root_next = self._env().step_and_maybe_reset(self._input(self._root, data))
         self._next_copies.apply(td.pop("next"))
         self._root_copies.apply(root_next)
-        self._flags[self._idx] = 1
+        (self.quiet_flags if quiet else self._flags)[self._idx] = 1
 
     def step(self, data: Any = None) -> None:
         assert self._root is not None and self._next_copies and self._root_copies
@@ -455,7 +467,7 @@ def step_and_maybe_reset(
         plan.write_inputs(tensordict)
         slots = range(env.num_workers)
         channels = Upstream(env).channels
-        for i in slots:  # every worker told before the wait
+        for i in slots:  # every worker told before the wait (a host's slots: once, _hosts)
             channels[i].send(STEP_AND_MAYBE_RESET)
         env._wait_for_workers(slots)
         next_td, root = plan.read_outputs()

@@ -36,6 +36,7 @@ from ._channel import ParentChannel, RestartableChannel
 from ._done_signal import DoneSignal
 from ._errors import WorkerDiedError, WorkerHungError, format_exitcode
 from ._handover import Handovers
+from ._hosts import Hosts
 from ._record import Loss, TreeSample, WorkerRecord, kill_worker_tree, startup_failure
 from ._report import SupervisionReport, WorkerOutcome
 from ._shutdown import close_workers
@@ -124,6 +125,9 @@ class WorkerSupervisor:
         self.restarts = 0
         #: Recycling (``_recycle``): the slots' standby and retiring workers.
         self.handovers = Handovers(label, self._lock, self._watcher.retire_fd)
+        #: The slots that share a worker process (``_hosts``; ``None``: one process each). Set by
+        #: :meth:`attach`; its groups are broken up by :meth:`replace`, under ``_lock``.
+        self.hosts: Hosts | None = None
         #: The trees have not been sampled for ``stats()`` yet: the watcher's first round does
         #: it at once (:meth:`attach` leaves it to the watcher). Cleared by that round's plan.
         self._sample_due = True
@@ -139,12 +143,16 @@ class WorkerSupervisor:
     def report_path(self, index: int) -> str:
         return os.path.join(self.report_dir, f"worker-{index}.report")
 
-    def attach(self, processes: list[Any], channels: list[Any]) -> list[ParentChannel]:
-        """Record started workers; returns channels that remember the last command."""
+    def attach(self, processes: list[Any], channels: list[Any], hosts: Hosts | None = None) -> list[ParentChannel]:
+        """Record started workers (``hosts``: the slots that share a process, ``_hosts``);
+        returns channels that remember the last command."""
         wrapped = []
         with self._lock:
+            self.hosts = hosts
             for index, (process, channel) in enumerate(zip(processes, channels, strict=True)):
                 worker = self._record(index, process, channel)
+                if hosts is not None:
+                    worker.channel.step_role = hosts.role(index)
                 wrapped.append(worker.channel)
                 self._workers.append(worker)
         # The descendants and OOM baselines now; the trees' first sample (a page walk per
@@ -201,6 +209,9 @@ class WorkerSupervisor:
             if not self.lost and self.first_failure is None:
                 self._failure_seen.clear()
             self.restarts += 1
+            if self.hosts is not None:  # its host is gone: each of its slots steps alone now
+                for slot in self.hosts.break_group(index):
+                    self._workers[self._position(slot)].channel.step_role = None
             if old.pidfd is not None:  # closed by the watcher, which may be waiting on it now
                 self._watcher.retire_fd(old.pidfd)
         _reaper_client.unwatch(old.pid)

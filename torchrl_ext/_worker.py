@@ -21,8 +21,10 @@ import multiprocessing.util
 import os
 import signal
 import sys
+import threading
+import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -31,6 +33,7 @@ from . import _cpython, _identity, _platform, _reaper_client, _stacks
 from ._channel import command_name
 from ._done_signal import NotifyingFlags
 from ._errors import DaemonicWorkerError
+from ._hosts import HOST_STEP_BYTES
 from ._step_path import STEP_BYTES, WorkerPlan, worker_reason
 from ._wire import write_report
 
@@ -71,6 +74,11 @@ class WorkerConfig:
     #: Why the main process runs TorchRL's step path by choice (``_step_path.switched_off``
     #: at the start); ``None``: this worker plans its steps where it can.
     step_path_off: str | None = None
+    #: The slots this worker's process hosts (``_hosts``; empty: its own slot only). Set by
+    #: the start on the config of the process it starts for a group.
+    host_slots: tuple[int, ...] = ()
+    #: The host's first slot answers a batched step of every slot of the host (``_hosts.HOST_STEP``).
+    host_step: bool = False
 
 
 class _CommandRecorder:
@@ -86,6 +94,9 @@ class _CommandRecorder:
         self._env: Callable[[], Any] = lambda: None
         #: The worker's own step path (``_step_path``), or ``None``: TorchRL's loop answers all.
         self.plan: WorkerPlan | None = None
+        #: The other slots of this host, whose steps this worker answers with its own
+        #: (``_hosts``; set once, before the loop runs).
+        self.group: list[WorkerPlan] = []
         # Bound once: the worker loop polls before every command (no __getattr__ per step).
         self.poll = conn.poll
         self.send: Callable[[Any], None] = self._first_send
@@ -112,6 +123,10 @@ class _CommandRecorder:
                 self.last_command = "step_and_maybe_reset"
                 plan.step_and_maybe_reset()
                 continue
+            if raw == HOST_STEP_BYTES:  # a host's batched step (_hosts): every slot of it
+                self.last_command = "step_and_maybe_reset"
+                self.step_host()
+                continue
             msg = ForkingPickler.loads(raw)
             if isinstance(msg, tuple) and msg and msg[0] == PREPARE_RESET:
                 # ours: answered here, the loop waits for the next
@@ -124,6 +139,17 @@ class _CommandRecorder:
                 if msg[0] == "init":  # TorchRL's loop builds its views too, on return
                     plan.init()
             return msg
+
+    def step_host(self) -> None:
+        """Step this slot's env and the host's other slots' (one wake-up byte, the last)."""
+        plan = self.plan
+        if plan is None or not self.group:
+            raise RuntimeError("torchrl_ext: a host step reached a worker that does not host other slots")
+        plan.step_and_maybe_reset(quiet=True)
+        last = len(self.group) - 1
+        for n, other in enumerate(self.group):
+            other.wait_ready()
+            other.step_and_maybe_reset(quiet=n < last)
 
     def kept_env(self) -> Any:
         """The env TorchRL's loop built here (``None`` before it exists)."""
@@ -234,11 +260,11 @@ class _GCSkippedAfterClose:
     workers are still running) are handled by :func:`end_own_descendants` instead.
     """
 
-    def __init__(self, recorder: _CommandRecorder) -> None:
-        self._recorder = recorder
+    def __init__(self, *recorders: _CommandRecorder) -> None:
+        self._recorders = recorders
 
     def collect(self, *args: Any) -> int:
-        if self._recorder.last_command == "close":
+        if any(r.last_command == "close" for r in self._recorders):
             return 0
         return gc.collect(*args)
 
@@ -307,47 +333,111 @@ def end_own_descendants() -> None:
     _identity.kill_and_reap(children, CHILD_GRACE, what="worker child", kill_wait=1.0)
 
 
-def run_managed(original: Callable[..., Any], config: WorkerConfig, kwargs: dict[str, Any]) -> None:
-    """Prepare this worker process, then run TorchRL's worker loop ``original`` in it."""
-    from torchrl.envs import EnvBase, batched_envs
+class _Member:
+    """One slot's TorchRL worker loop in this process: its kwargs wrapped as ours wraps them."""
 
-    from ._compat import GC_NAME, WORKER_KWARGS  # _compat imports this module
+    def __init__(self, config: WorkerConfig, kwargs: dict[str, Any]) -> None:
+        from torchrl.envs import EnvBase
+
+        from ._compat import WORKER_KWARGS  # _compat imports this module
+
+        self.config = config
+        self.kwargs = kwargs
+        flags_key, pipe_key = WORKER_KWARGS["done_flags"], WORKER_KWARGS["pipe"]
+        raw_flags = kwargs.get(flags_key)
+        if config.done_fifo and kwargs.get(flags_key) is not None:
+            # TorchRL >= 0.11 reports "done" through shared flags; wake the sleeping main process too.
+            kwargs[flags_key] = NotifyingFlags(kwargs[flags_key], config.done_fifo)
+        recorder = _CommandRecorder(kwargs[pipe_key], _stacks.built_path(config.report_path))
+        kwargs[pipe_key] = recorder
+        factory_key = WORKER_KWARGS["factory"]
+        factory = kwargs[factory_key]
+        if isinstance(factory, EnvBase):  # TorchRL's loop uses an env passed itself as is
+            recorder.keep(factory)
+        else:
+            kwargs[factory_key] = _KeepsEnv(factory, recorder)
+        if kwargs.get(flags_key) is not None:
+            kwargs[flags_key] = _FlagsKeptAtClose(kwargs[flags_key], recorder)
+        _plan_steps(recorder, kwargs, config)
+        if recorder.plan is not None:
+            recorder.plan.quiet_flags = raw_flags
+        self.recorder = recorder
+
+    def run(self, original: Callable[..., Any]) -> bool:
+        """TorchRL's loop for this slot; True once it ended by a close or the parent's end."""
+        recorder, config = self.recorder, self.config
+        try:
+            original(**self.kwargs)
+        except BaseException as exc:
+            if recorder.saw_eof or recorder.last_command == "close":
+                # The parent closed the pipe (it is closing us, or it died): not an env error.
+                return True
+            if isinstance(exc, SystemExit | KeyboardInterrupt):
+                raise
+            if write_report(config.report_path, exc, recorder.last_command) and config.owner_raises_errors:
+                # One traceback per failure: the owner raises it with this one as its cause, so
+                # multiprocessing's own print of it (at the same exit code, 1) would be a second.
+                raise SystemExit(1) from None
+            raise
+        return True
+
+
+def run_managed(
+    original: Callable[..., Any],
+    config: WorkerConfig,
+    kwargs: dict[str, Any],
+    hosted: Sequence[tuple[WorkerConfig, dict[str, Any]]] = (),
+) -> None:
+    """Prepare this worker process, then run TorchRL's worker loop ``original`` in it: for its
+    own slot, and for each slot it hosts (``hosted``, ``_hosts``) in a thread of its own."""
+    from torchrl.envs import batched_envs
+
+    from ._compat import GC_NAME  # _compat imports this module
 
     prepare_process(config)
     _stacks.arm(_stacks.stacks_path(config.report_path))
-    flags_key, pipe_key = WORKER_KWARGS["done_flags"], WORKER_KWARGS["pipe"]
-    if config.done_fifo and kwargs.get(flags_key) is not None:
-        # TorchRL >= 0.11 reports "done" through shared flags; wake the sleeping main process too.
-        kwargs[flags_key] = NotifyingFlags(kwargs[flags_key], config.done_fifo)
-    recorder = _CommandRecorder(kwargs[pipe_key], _stacks.built_path(config.report_path))
-    kwargs[pipe_key] = recorder
-    factory_key = WORKER_KWARGS["factory"]
-    factory = kwargs[factory_key]
-    if isinstance(factory, EnvBase):  # TorchRL's loop uses an env passed itself as is
-        recorder.keep(factory)
-    else:
-        kwargs[factory_key] = _KeepsEnv(factory, recorder)
-    if kwargs.get(flags_key) is not None:
-        kwargs[flags_key] = _FlagsKeptAtClose(kwargs[flags_key], recorder)
-    _plan_steps(recorder, kwargs, config)
-    if getattr(batched_envs, GC_NAME, None) is gc:  # this process runs only this worker's loop
-        setattr(batched_envs, GC_NAME, _GCSkippedAfterClose(recorder))
-    try:
-        original(**kwargs)
-    except BaseException as exc:
-        if recorder.saw_eof or recorder.last_command == "close":
-            # The parent closed the pipe (it is closing us, or it died): not an env error.
+    members = [_Member(config, kwargs), *(_Member(c, kw) for c, kw in hosted)]
+    if getattr(batched_envs, GC_NAME, None) is gc:  # this process runs only these workers' loops
+        setattr(batched_envs, GC_NAME, _GCSkippedAfterClose(*(m.recorder for m in members)))
+    if config.host_step:
+        first = min(members, key=lambda m: m.config.index)
+        plans = [m.recorder.plan for m in members if m is not first]
+        if first.recorder.plan is None or any(p is None for p in plans):  # decided on the same kwargs
+            raise RuntimeError("torchrl_ext: a host was told to step its slots as one, but they cannot plan")
+        first.recorder.group = [p for p in plans if p is not None]
+    host = _Host(original, len(members))
+    for member in members[1:]:
+        threading.Thread(target=host.run, args=(member,), name=f"torchrl_ext-slot-{member.config.index}").start()
+    host.run(members[0])
+
+
+class _Host:
+    """The loops of one worker process (one slot's, or a host's, ``_hosts``): the process ends
+    when the last loop ended normally, or at once when one ended in an error (its slot's
+    report written: every slot of a host is lost with it)."""
+
+    def __init__(self, original: Callable[..., Any], loops: int) -> None:
+        self._original = original
+        #: Loops still running; written under ``_lock`` by each loop's thread as it ends.
+        self._running = loops
+        self._lock = threading.Lock()
+
+    def run(self, member: _Member) -> None:
+        try:
+            member.run(self._original)
+        except BaseException:
+            if self._running == 1 and threading.current_thread() is threading.main_thread():
+                raise  # a single worker: multiprocessing reports and exits, as upstream
+            if not isinstance(sys.exc_info()[1], SystemExit) and not member.config.owner_raises_errors:
+                traceback.print_exc()
+            end_own_descendants()
+            exit_now(1)
+        with self._lock:
+            self._running -= 1
+            last = self._running == 0
+        if last:
             end_own_descendants()
             exit_now(0)
-        if isinstance(exc, SystemExit | KeyboardInterrupt):
-            raise
-        if write_report(config.report_path, exc, recorder.last_command) and config.owner_raises_errors:
-            # One traceback per failure: the owner raises it with this one as its cause, so
-            # multiprocessing's own print of it (at the same exit code, 1) would be a second.
-            raise SystemExit(1) from None
-        raise
-    end_own_descendants()
-    exit_now(0)
 
 
 def exit_now(code: int) -> None:
