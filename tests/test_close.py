@@ -110,7 +110,8 @@ _RACY_FORKSERVER_EXITCODE = pytest.mark.xfail(
 @pytest.mark.compat
 @pytest.mark.parametrize(
     # not spawn: conftest.NOT_SPAWNED
-    "method", ["fork", pytest.param("forkserver", marks=_RACY_FORKSERVER_EXITCODE), "preloaded"]
+    "method",
+    ["fork", pytest.param("forkserver", marks=_RACY_FORKSERVER_EXITCODE), "preloaded"],
 )
 def test_close_after_worker_was_sigkilled(method: str, tmp_path: Path) -> None:
     env = ManagedParallelEnv(

@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ),
     (
         "adapters and plain values",
-        ["_compat", "_step_path", "_policy", "_marks", "_channel", "_tag", "_options"],
+        ["_compat", "_step_path", "_hosts", "_policy", "_marks", "_channel", "_tag", "_options"],
     ),
     (
         "the worker side and process starting",

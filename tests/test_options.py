@@ -37,6 +37,7 @@ REFUSED: dict[str, list[Any]] = {
     "recycle_memory": [[1], 2.5, True],
     "recycle_every": ["10", 1.5, 0],
     "collect_stats": [None, 1],
+    "envs_per_worker": ["2", 1.5, True, 0],
 }
 
 #: Values of other types than the defaults' that are accepted (numpy scalars, lists).

@@ -405,7 +405,8 @@ def test_logger_monitor_logs_the_env_stats(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- a hang's stacks
 @pytest.mark.parametrize(
     # not spawn: conftest.NOT_SPAWNED
-    "method", [pytest.param("fork", marks=pytest.mark.compat), "forkserver", "preloaded"]
+    "method",
+    [pytest.param("fork", marks=pytest.mark.compat), "forkserver", "preloaded"],
 )
 def test_a_hung_workers_stacks_come_with_its_record_and_its_error(method: str) -> None:
     env = ManagedParallelEnv(

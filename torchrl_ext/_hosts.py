@@ -76,7 +76,7 @@ class Hosts:
         >>> hosts.stepped_as_one = [True, True, True]
         >>> [hosts.role(slot) for slot in range(5)]
         ['host', 'carried', 'host', 'carried', None]
-        >>> hosts.break_group(3); [hosts.role(slot) for slot in range(4)]
+        >>> _ = hosts.break_group(3); [hosts.role(slot) for slot in range(4)]
         ['host', 'carried', None, None]
     """
 
@@ -146,12 +146,10 @@ class _HeldStarts:
         self.held: list[tuple[Any, dict[str, Any], Connection]] = []
 
     def start(self, process: Any, previous: Any) -> None:
-        from ._intercept import ConfiguredKwargs  # _intercept imports _worker, which imports us
-
         key = WORKER_KWARGS["env_kwargs"]
         kwargs = _cpython.process_kwargs(process)
-        configured = kwargs.get(key)
-        if not isinstance(configured, ConfiguredKwargs):  # not one of ours
+        configured = kwargs.get(key)  # an _intercept.ConfiguredKwargs where it is one of ours
+        if getattr(configured, "worker_config", None) is None:
             previous(process)
             return
         config = configured.worker_config
@@ -167,7 +165,7 @@ class _HeldStarts:
         everyone = [member for _, member, _ in held] + [kwargs]
         as_one = len(everyone) > 1 and all(_plans(member) for member in everyone)
         self.hosts.stepped_as_one[group] = as_one
-        own = ConfiguredKwargs(
+        own = type(configured)(
             dict(configured),
             dataclasses.replace(config, host_step=as_one, host_slots=members),
             tuple(member for _, member, _ in held),

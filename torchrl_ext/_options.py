@@ -123,7 +123,9 @@ class Options:
                 f"envs_per_worker={envs_per_worker} needs TorchRL >= 0.11 (its workers answer through "
                 "shared flags); this is TorchRL 0.10: pass envs_per_worker=1"
             )
-        if envs_per_worker > 1 and (given["recycle_memory"] is not None or given["recycle_every"] is not None):
+        if envs_per_worker > 1 and (
+            given["recycle_memory"] is not None or given["recycle_every"] is not None
+        ):
             raise ValueError(
                 f"envs_per_worker={envs_per_worker} cannot be combined with recycle_memory/recycle_every "
                 "(a recycled worker process holds one env): pass envs_per_worker=1 to recycle workers"

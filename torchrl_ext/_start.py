@@ -25,6 +25,7 @@ from . import _identity, _lifecycle, _platform, _reaper_client, _stacks
 from ._compat import Upstream, describe_factory
 from ._done_signal import has_spare_core
 from ._errors import DaemonicParentError, WorkerStartTimeoutError, unpicklable_note
+from ._hosts import Hosts, co_hosting
 from ._intercept import (
     ConfiguredKwargs,
     SupervisedWorkers,
@@ -32,7 +33,6 @@ from ._intercept import (
     managed_worker_targets,
     worker_context,
 )
-from ._hosts import Hosts, co_hosting
 from ._keeper import SlotKeeper, raise_failure
 from ._options import Options
 from ._plan import StartPlan

@@ -143,7 +143,9 @@ class WorkerSupervisor:
     def report_path(self, index: int) -> str:
         return os.path.join(self.report_dir, f"worker-{index}.report")
 
-    def attach(self, processes: list[Any], channels: list[Any], hosts: Hosts | None = None) -> list[ParentChannel]:
+    def attach(
+        self, processes: list[Any], channels: list[Any], hosts: Hosts | None = None
+    ) -> list[ParentChannel]:
         """Record started workers (``hosts``: the slots that share a process, ``_hosts``);
         returns channels that remember the last command."""
         wrapped = []

@@ -407,7 +407,9 @@ def run_managed(
         first.recorder.group = [p for p in plans if p is not None]
     host = _Host(original, len(members))
     for member in members[1:]:
-        threading.Thread(target=host.run, args=(member,), name=f"torchrl_ext-slot-{member.config.index}").start()
+        threading.Thread(
+            target=host.run, args=(member,), name=f"torchrl_ext-slot-{member.config.index}"
+        ).start()
     host.run(members[0])
 
 

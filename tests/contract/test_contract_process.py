@@ -109,6 +109,7 @@ def _descriptor_kinds() -> Counter[str]:
 def test_close_leaves_no_pipe_socket_or_pidfd_open_while_the_env_is_referenced(mp_start_method: str) -> None:
     """Upstream's close drops its worker processes and channels, so their pipes close at once
     although the caller still holds the env; ours must too, not when a collection finds it."""
+
     def scenario(variant: Variant, rec: Record) -> None:
         def build_use_close() -> Any:
             env = variant(2, make_counting_env, mp_start_method=mp_start_method)

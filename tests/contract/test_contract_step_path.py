@@ -21,7 +21,16 @@ import torch
 
 from tests.conftest import START_METHODS
 from tests.contract.envs import make_dtypes_env, make_hetero_agents_env
-from tests.contract.helpers import HAS_DAEMON, Record, Variant, assert_same_as_upstream, closing, run_variants
+from tests.contract.helpers import (
+    HAS_DAEMON,
+    UPSTREAM,
+    Record,
+    Variant,
+    assert_same_as_upstream,
+    closing,
+    managed_class,
+    run_variants,
+)
 from torchrl_ext import ManagedParallelEnv, _step_path
 
 pytestmark = [pytest.mark.timeout(240)]
@@ -167,3 +176,37 @@ def test_the_step_paths_tensordict_internals_are_declared_and_exist() -> None:
         name for name in used if name.startswith("_") and not name.startswith("__") and hasattr(plain, name)
     }
     assert privates == declared
+
+
+@pytest.mark.parametrize("mp_start_method", ["default", *START_METHODS])
+def test_envs_sharing_a_worker_process_give_upstreams_outputs(mp_start_method: str) -> None:
+    """``envs_per_worker=2`` with 3 envs: slots 0 and 1 in one process (stepped on one
+    message), slot 2 alone; the collector's loop, a partial step, a partial reset and a rollout
+    give upstream's data bit for bit (the env draws nothing from torch's global RNG)."""
+    paths: list[Any] = []
+    managed = managed_class()
+    extra = {"envs_per_worker": 2} if managed is ManagedParallelEnv else {}
+    uneven = [{"max_steps": 3}, {"max_steps": 5}, {"max_steps": 4}]
+
+    def scenario(variant: Variant, rec: Record) -> None:
+        env = variant(
+            3, functools.partial(make_dtypes_env), create_env_kwargs=uneven, mp_start_method=mp_start_method
+        )
+        with closing(env):
+            stepped = _seeded_steps(env, rec, seed=3, steps=9)
+            root = stepped[-1][1]
+            if isinstance(env, ManagedParallelEnv):
+                pids = env.worker_pids
+                paths.append((env.step_path, pids[0] == pids[1] != pids[2]))
+            partial = env.rand_action(root).set("_step", torch.tensor([False, True, True]))
+            rec.value("partial step", env.step_and_maybe_reset(partial))
+            rec(
+                "partial reset",
+                lambda: env.reset(root.clone().set("_reset", torch.tensor([[True], [False], [True]]))),
+            )
+            rec("rollout", lambda: env.rollout(7, break_when_any_done=False))
+
+    assert_same_as_upstream(run_variants(scenario, [UPSTREAM, Variant("managed", managed, extra)]))
+    if extra:
+        ((path, shared),) = paths
+        assert shared and path == ("managed", "tensor-only CPU specs in shared buffers")
