@@ -87,6 +87,31 @@ def test_a_lost_host_loses_all_its_slots_each_replaced_alone(method: str) -> Non
     assert report is not None and report.restarts == 2 and report.clean, str(report)
 
 
+@pytest.mark.parametrize("method", ["fork", "forkserver", "preloaded"])  # not spawn: conftest.NOT_SPAWNED
+def test_a_hung_hosted_slot_is_killed_with_its_host_and_both_restarted(method: str) -> None:
+    env = ManagedParallelEnv(
+        3,
+        make_env,
+        create_env_kwargs=[{}, {"step_sleep": 3600.0}, {}],
+        envs_per_worker=2,
+        daemon_workers=False,
+        max_restarts=2,
+        step_timeout=2.0,
+        **start_kwargs(method),
+    )
+    try:
+        td = env.reset()
+        host = env.worker_pids[0]
+        out, td = env.step_and_maybe_reset(env.rand_action(td))
+        assert out["next", "worker_restarted"].tolist() == [[True], [True], [False]]
+        assert torch.equal(out["next", "observation"][2], FIRST_OBS + 1)
+        records = sorted((r.slot, r.old_pid, r.cause) for r in env.restarts)
+        assert records == [(0, host, "hung"), (1, host, "hung")]
+        assert not pid_alive(host)
+    finally:
+        env.close(raise_if_closed=False)
+
+
 @pytest.mark.parametrize("method", ["fork", "preloaded"])
 def test_without_restarts_a_lost_host_raises(method: str) -> None:
     env = ManagedParallelEnv(2, make_env, envs_per_worker=2, daemon_workers=False, **start_kwargs(method))
@@ -95,8 +120,9 @@ def test_without_restarts_a_lost_host_raises(method: str) -> None:
         host = env.worker_pids[1]
         os.kill(host, signal.SIGKILL)
         wait_until(lambda: not pid_alive(host), "the host is dead")
-        with pytest.raises(WorkerDiedError, match="SIGKILL"):
+        with pytest.raises(WorkerDiedError, match="SIGKILL") as info:
             env.step_and_maybe_reset(env.rand_action(td))
+        assert "its process hosted slots 0, 1 (envs_per_worker), all lost with it" in str(info.value)
     finally:
         env.close(raise_if_closed=False)
 
@@ -113,8 +139,9 @@ def test_an_env_error_in_a_hosted_slot_is_raised_as_the_env_raised_it(method: st
     )
     try:
         td = env.reset()
-        with pytest.raises(ZeroDivisionError, match="boom in step"):
+        with pytest.raises(ZeroDivisionError, match="boom in step") as info:
             env.step_and_maybe_reset(env.rand_action(td))
+        assert any("worker 1 " in note for note in info.value.__notes__)  # its own slot, not the host's first
     finally:
         env.close(raise_if_closed=False)
 
@@ -133,3 +160,23 @@ def test_envs_per_worker_is_checked() -> None:
         ManagedParallelEnv(2, make_env, envs_per_worker=0)
     with pytest.raises(ValueError, match="cannot be combined with recycle_memory/recycle_every"):
         ManagedParallelEnv(2, make_env, envs_per_worker=2, recycle_every=3)
+
+
+def test_stats_count_a_hosts_tree_once() -> None:
+    env = ManagedParallelEnv(3, make_env, envs_per_worker=2, daemon_workers=False, mp_start_method="fork")
+    try:
+        env.reset()
+
+        def sampled() -> bool:
+            stats = env.stats(workers="both")
+            return all(f"worker_{i}/rss_bytes" in stats for i in range(3))
+
+        wait_until(sampled, "every slot's tree sampled")
+        stats = env.stats(workers="both")
+        assert stats["worker_0/pid"] == stats["worker_1/pid"] != stats["worker_2/pid"]  # one process
+        assert stats["worker_0/rss_bytes"] == stats["worker_1/rss_bytes"]
+        per_process = stats["worker_0/rss_bytes"] + stats["worker_2/rss_bytes"]
+        assert stats["tree_rss_bytes"] == per_process
+        assert stats["workers"] == 3 and stats["workers_alive"] == 3
+    finally:
+        env.close()

@@ -148,7 +148,7 @@ class _HeldStarts:
     def start(self, process: Any, previous: Any) -> None:
         key = WORKER_KWARGS["env_kwargs"]
         kwargs = _cpython.process_kwargs(process)
-        configured = kwargs.get(key)  # an _intercept.ConfiguredKwargs where it is one of ours
+        configured: Any = kwargs.get(key)  # an _intercept.ConfiguredKwargs where it is one of ours
         if getattr(configured, "worker_config", None) is None:
             previous(process)
             return

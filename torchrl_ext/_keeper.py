@@ -344,7 +344,7 @@ class SlotKeeper:
     def _cause(self, lost: Loss) -> int | str | None:
         if self._start_timed_out(lost) is not None:
             return "start_timeout"
-        if lost.hung:
+        if lost.hung or isinstance(lost.failure, WorkerHungError):  # itself, or its host (_hosts)
             return "hung"
         return lost.exitcode if isinstance(lost.failure, WorkerDiedError) else type(lost.failure).__name__
 

@@ -328,8 +328,12 @@ class TreeSampler:
         watch = over is not None and not every and now >= self._next_watch and _platform.has_smaps_rollup()
         spent = 0.0
         samples = dict(self.samples)
+        this_round: dict[int, TreeSample] = {}  # by pid: a host's slots share its tree (_hosts)
         for worker in workers:
             slot, pid = worker.index, worker.pid
+            if pid in this_round:
+                samples[slot] = this_round[pid]
+                continue
             previous = samples.get(slot)
             if previous is not None and previous.pid != pid:
                 previous = None  # a new worker: its USS and PSS are read now
@@ -344,7 +348,7 @@ class TreeSampler:
                 spent += time.perf_counter() - t0
             if sample.uss is None and previous is not None:
                 sample = dataclasses.replace(sample, pss=previous.pss, uss=previous.uss)  # they stand
-            samples[slot] = sample
+            samples[slot] = this_round[pid] = sample
         if watch:
             self._next_watch = now + max(SAMPLE_INTERVAL, spent / WATCH_SHARE)
         self.samples = samples
@@ -485,8 +489,10 @@ def snapshot(
 def _aggregate(
     stats: EnvStats, restarts: Sequence[Any], lost: Sequence[Any], samples: dict[int, TreeSample]
 ) -> dict[str, float | int]:
-    """The env's keys: the calls, losses and restarts, and the sums over the live trees."""
+    """The env's keys: the calls, losses and restarts, and the sums over the live trees (a
+    host's tree once, however many of its slots are live: ``_hosts``)."""
     calls, losses = stats.calls, stats.losses
+    trees = list({sample.pid: sample for sample in samples.values()}.values())
     return {
         "steps": calls.steps,
         "boundary_steps": calls.boundary_steps,
@@ -507,11 +513,11 @@ def _aggregate(
         "hangs": losses.hangs,
         "env_errors": losses.env_errors,
         "seconds_since_restart": time.time() - lost[-1].time if lost else float("nan"),
-        "tree_rss_bytes": sum(s.rss for s in samples.values()),
-        "tree_pss_bytes": _total(s.pss for s in samples.values()),
-        "tree_uss_bytes": _total(s.uss for s in samples.values()),
-        "descendants": sum(s.descendants for s in samples.values()),
-        "fds": sum(s.fds for s in samples.values()),
+        "tree_rss_bytes": sum(s.rss for s in trees),
+        "tree_pss_bytes": _total(s.pss for s in trees),
+        "tree_uss_bytes": _total(s.uss for s in trees),
+        "descendants": sum(s.descendants for s in trees),
+        "fds": sum(s.fds for s in trees),
     }
 
 

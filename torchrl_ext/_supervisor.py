@@ -367,6 +367,7 @@ class WorkerSupervisor:
         if closing:
             return
         failure, raised_in = self._failure_for(worker)
+        hung = worker.hung or isinstance(failure, WorkerHungError)  # itself, or its host (_hosts)
         # Kill the dead worker's tree before anyone can see the failure: once the error is
         # raised, nothing of that worker is left.
         # It was alive a moment ago, so its process group cannot have been recycled yet.
@@ -378,13 +379,13 @@ class WorkerSupervisor:
             self.label,
             worker.index,
             worker.pid,
-            f"hung (no answer within {worker.hang_timeout:g}s)"
-            if worker.hung
+            f"hung (no answer within {getattr(failure, 'timeout', worker.hang_timeout):g}s)"
+            if hung
             else f"died with exit code {format_exitcode(worker.exitcode)}",
             worker.descendants_killed,
         )
         if self.stats is not None:
-            self.stats.losses.count(worker.hung, failure)
+            self.stats.losses.count(hung, failure)
         with self._lock:
             worker.failure, worker.raised_in = failure, raised_in
             if self.restartable:
@@ -395,20 +396,51 @@ class WorkerSupervisor:
         self.done_signal.notify()
 
     def _failure_for(self, worker: WorkerRecord) -> tuple[BaseException, str | None]:
-        """Why ``worker`` was lost, and the command its env raised in (from its report)."""
+        """Why ``worker`` was lost, and the command its env raised in (from its report). A slot
+        of a host (``_hosts``) lost without a cause of its own was lost with its process: the
+        cause is a sibling's (one that hung, or whose env raised), whichever slot is seen first."""
+        own = self._own_failure(worker)
+        if own is not None:
+            return own
+        for sibling in self._siblings(worker):
+            found = self._own_failure(sibling)
+            if found is not None:
+                return found
+        detail = None
+        if self._siblings(worker):
+            slots = ", ".join(str(i) for i in self.hosts.hosted(worker.index)) if self.hosts else ""
+            detail = f"its process hosted slots {slots} (envs_per_worker), all lost with it"
         last_command = worker.channel.last_command
+        return WorkerDiedError(
+            worker.index, worker.pid, worker.exitcode, last_command, detail, worker.oom
+        ), None
+
+    def _own_failure(self, worker: WorkerRecord) -> tuple[BaseException, str | None] | None:
+        """``worker``'s own cause of loss: it hung, or its env raised (its report); else ``None``."""
         if worker.hung:
             hung = WorkerHungError(
-                worker.index, worker.pid, last_command, worker.hang_timeout, stacks=worker.stacks
+                worker.index,
+                worker.pid,
+                worker.channel.last_command,
+                worker.hang_timeout,
+                stacks=worker.stacks,
             )
             return hung, None
         report = read_report(self.report_path(worker.index))
         if report is None:
-            died = WorkerDiedError(worker.index, worker.pid, worker.exitcode, last_command, oom=worker.oom)
-            return died, None
+            return None
         raised_in = report.get("last_command")
         failure = rebuild_exception(report, worker.index, worker.pid)
         return failure, raised_in if isinstance(raised_in, str) else None
+
+    def _siblings(self, worker: WorkerRecord) -> list[WorkerRecord]:
+        """The other slots of ``worker``'s process, when it hosts several (``_hosts``)."""
+        hosts = self.hosts
+        if hosts is None:
+            return []
+        with self._lock:
+            slots = hosts.hosted(worker.index)
+            return [w for w in self._workers if w is not worker and w.index in slots and w.pid == worker.pid]
 
     def startup_failure(self) -> BaseException | None:
         """The error that explains a failed start (see :func:`_record.startup_failure`)."""

@@ -96,7 +96,7 @@ class _CommandRecorder:
         self.plan: WorkerPlan | None = None
         #: The other slots of this host, whose steps this worker answers with its own
         #: (``_hosts``; set once, before the loop runs).
-        self.group: list[WorkerPlan] = []
+        self.group: list[_Member] = []
         # Bound once: the worker loop polls before every command (no __getattr__ per step).
         self.poll = conn.poll
         self.send: Callable[[Any], None] = self._first_send
@@ -147,9 +147,15 @@ class _CommandRecorder:
             raise RuntimeError("torchrl_ext: a host step reached a worker that does not host other slots")
         plan.step_and_maybe_reset(quiet=True)
         last = len(self.group) - 1
-        for n, other in enumerate(self.group):
-            other.wait_ready()
-            other.step_and_maybe_reset(quiet=n < last)
+        for n, member in enumerate(self.group):
+            other = member.recorder
+            other.last_command = self.last_command
+            assert other.plan is not None  # run_managed groups planned slots only
+            other.plan.wait_ready()
+            try:
+                other.plan.step_and_maybe_reset(quiet=n < last)
+            except Exception as exc:  # that slot's env raised: reported as that slot's
+                raise _RaisedInHostedSlot(member.config, exc) from exc
 
     def kept_env(self) -> Any:
         """The env TorchRL's loop built here (``None`` before it exists)."""
@@ -333,6 +339,16 @@ def end_own_descendants() -> None:
     _identity.kill_and_reap(children, CHILD_GRACE, what="worker child", kill_wait=1.0)
 
 
+class _RaisedInHostedSlot(Exception):
+    """The env of another slot of this host raised while this worker stepped it (``_hosts``):
+    its report is that slot's."""
+
+    def __init__(self, config: WorkerConfig, error: Exception) -> None:
+        super().__init__(f"slot {config.index}'s env raised {type(error).__name__}: {error}")
+        self.config = config
+        self.error = error
+
+
 class _Member:
     """One slot's TorchRL worker loop in this process: its kwargs wrapped as ours wraps them."""
 
@@ -374,7 +390,10 @@ class _Member:
                 return True
             if isinstance(exc, SystemExit | KeyboardInterrupt):
                 raise
-            if write_report(config.report_path, exc, recorder.last_command) and config.owner_raises_errors:
+            error, command = exc, recorder.last_command
+            if isinstance(exc, _RaisedInHostedSlot):  # another slot's env, stepped by this worker
+                config, error = exc.config, exc.error
+            if write_report(config.report_path, error, command) and config.owner_raises_errors:
                 # One traceback per failure: the owner raises it with this one as its cause, so
                 # multiprocessing's own print of it (at the same exit code, 1) would be a second.
                 raise SystemExit(1) from None
@@ -404,7 +423,7 @@ def run_managed(
         plans = [m.recorder.plan for m in members if m is not first]
         if first.recorder.plan is None or any(p is None for p in plans):  # decided on the same kwargs
             raise RuntimeError("torchrl_ext: a host was told to step its slots as one, but they cannot plan")
-        first.recorder.group = [p for p in plans if p is not None]
+        first.recorder.group = [m for m in members if m is not first]
     host = _Host(original, len(members))
     for member in members[1:]:
         threading.Thread(
