@@ -10,6 +10,9 @@ Configurations (``--configs``):
 
 * ``managed``: ``ManagedParallelEnv`` with no start method (the preloaded default);
 * ``managed_fork``: ``ManagedParallelEnv(mp_start_method="fork")``;
+* ``managed_hosts``, ``managed_fork_hosts``: the same with several envs per worker process,
+  one process per core (``envs_per_worker = ceil(workers / cores)``); run only where that is
+  more than one env per process (4 and 8 workers on 2 cores);
 * ``upstream``: ``torchrl.envs.ParallelEnv`` with no start method (TorchRL's default);
 * ``upstream_fork``: ``ParallelEnv(mp_start_method="fork")``;
 * ``gym_async``: gymnasium ``AsyncVectorEnv(shared_memory=True, context="fork")``;
@@ -50,7 +53,23 @@ from _machine import child_trial, interleaved, run_script_child, system_busy
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-CONFIGS = ("managed", "managed_fork", "upstream", "upstream_fork", "gym_async", "sb3", "floor")
+CONFIGS = (
+    "managed",
+    "managed_fork",
+    "managed_hosts",
+    "managed_fork_hosts",
+    "upstream",
+    "upstream_fork",
+    "gym_async",
+    "sb3",
+    "floor",
+)
+
+
+def envs_per_worker(workers: int) -> int:
+    """The ``*_hosts`` configurations' envs per worker process: one process per core."""
+    cores = os.cpu_count() or 1
+    return -(-workers // cores)
 
 
 # ============================================================================ child trials
@@ -63,7 +82,9 @@ def _torchrl_env(config: str, kind: str, workers: int) -> Any:
     from torchrl.envs import ParallelEnv
 
     fn = functools.partial(step_envs.make_env, kind)
-    kwargs: dict[str, Any] = {"mp_start_method": "fork"} if config.endswith("_fork") else {}
+    kwargs: dict[str, Any] = {"mp_start_method": "fork"} if "_fork" in config else {}
+    if config.endswith("_hosts"):
+        kwargs["envs_per_worker"] = envs_per_worker(workers)
     if config.startswith("managed"):
         from torchrl_ext import ManagedParallelEnv
 
@@ -288,6 +309,8 @@ def write_markdown(
         "Each cell: min / median microseconds per batched step (lower is better). Ratios: how many "
         "times faster ours steps (upstream's median over ours) with the same start method, and ours "
         "against gymnasium `AsyncVectorEnv` (its median over ours; the gate asks >= 1/1.5 = 0.67); "
+        "`*_hosts`: `envs_per_worker=ceil(workers / cores)` (one process per core; blank where that "
+        "is 1), against upstream with the same start method. "
         "`floor` (one env per forked process, a byte each way, nothing returned: see `step.py`) "
         "against upstream with the same start method (fork): where the step is CPU-bound, the most "
         "any design with one env per process could reach; and ours against the floor (its median "
@@ -296,6 +319,9 @@ def write_markdown(
     ]
     ratios = [("managed", "upstream"), ("managed_fork", "upstream_fork"), ("managed", "gym_async")]
     header = ["env", "workers", *configs, "managed vs upstream", "fork vs upstream fork", "managed vs gym"]
+    if "managed_hosts" in configs or "managed_fork_hosts" in configs:
+        ratios += [("managed_hosts", "upstream"), ("managed_fork_hosts", "upstream_fork")]
+        header += ["hosts vs upstream", "fork hosts vs upstream fork"]
     if "floor" in configs:
         ratios += [("floor", "upstream_fork"), ("managed_fork", "floor")]
         header += ["floor vs upstream fork", "fork vs floor"]
@@ -314,7 +340,7 @@ def write_markdown(
             r = _ratio(row, a, b)
             cells.append("" if r is None else f"{r:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
-    ours = ("managed", "managed_fork")
+    ours = ("managed", "managed_fork", "managed_hosts", "managed_fork_hosts")
     paths = {row[c]["step_path"] for row in rows for c in ours if row.get(c, {}).get("step_path")}
     if paths:
         lines += ["", f"Step path of the managed envs (`env.step_path`): {', '.join(sorted(paths))}."]
@@ -366,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         spec = json.loads(args.child)
-        if spec["config"] == "managed":
+        if spec["config"] in ("managed", "managed_hosts"):
             # The default path as a program gets it: the server forked from this process. Started
             # before child_trial arms its watchdog, a thread, which would make it a new interpreter.
             import torchrl_ext
@@ -381,6 +407,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for n, (repeat, kind, workers, config) in enumerate(
             interleaved(args.repeats, args.envs, args.workers, args.configs)
         ):
+            if config.endswith("_hosts") and envs_per_worker(workers) == 1:
+                continue  # the same as the configuration without hosts
             spec = {
                 "config": config,
                 "env": kind,

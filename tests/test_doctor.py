@@ -136,8 +136,10 @@ def test_the_step_path_check_names_the_path_this_torchrl_allows() -> None:
     assert check.ok
     if _compat.HAS_DAEMON_KWARG:  # TorchRL >= 0.11: shared done flags, our path can serve
         assert check.detail.startswith("ours for envs with shared buffers"), check
+        assert "envs_per_worker > 1 available" in check.detail
     else:
         assert check.detail.startswith("TorchRL's for every env"), check
+        assert "envs_per_worker must be 1" in check.detail
 
 
 def test_cli_exit_code_follows_the_checks(

@@ -155,6 +155,34 @@ def test_envs_per_worker_needs_torchrl_0_11() -> None:
         ManagedParallelEnv(2, make_env, envs_per_worker=2)
 
 
+@pytest.mark.parametrize("method", ["fork", "preloaded"])
+def test_restart_on_error_restarts_every_slot_of_the_host_with_the_envs_error(method: str) -> None:
+    env = ManagedParallelEnv(
+        3,
+        make_env,
+        create_env_kwargs=[{}, {"raise_in": "step"}, {}],
+        envs_per_worker=2,
+        daemon_workers=False,
+        max_restarts=2,
+        restart_on_error=True,
+        **start_kwargs(method),
+    )
+    try:
+        td = env.reset()
+        host = env.worker_pids[0]
+        out, td = env.step_and_maybe_reset(env.rand_action(td))
+        assert out["next", "worker_restarted"].tolist() == [[True], [True], [False]]
+        records = sorted((r.slot, r.old_pid, r.cause) for r in env.restarts)
+        assert records == [(0, host, "ZeroDivisionError"), (1, host, "ZeroDivisionError")]
+        stats = env.stats()
+        assert stats["restarts_error"] == 2 and stats["env_errors"] == 2
+        # Slot 1's replacement raises again, alone now, and the budget is spent: the env's error.
+        with pytest.raises(ZeroDivisionError, match="boom in step"):
+            env.step_and_maybe_reset(env.rand_action(td))
+    finally:
+        env.close(raise_if_closed=False)
+
+
 def test_envs_per_worker_is_checked() -> None:
     with pytest.raises(ValueError, match="envs_per_worker must be an int >= 1"):
         ManagedParallelEnv(2, make_env, envs_per_worker=0)

@@ -424,9 +424,13 @@ def check_step_path(has_done_flags: bool) -> Check:
             "step path",
             "ok",
             "ours for envs with shared buffers (use_buffers) and tensor-only CPU specs, TorchRL's "
-            "for the others; env.step_path says which and why",
+            "for the others; env.step_path says which and why; envs_per_worker > 1 available",
         )
-    return Check("step path", "ok", "TorchRL's for every env: TorchRL < 0.11 answers through events")
+    return Check(
+        "step path",
+        "ok",
+        "TorchRL's for every env: TorchRL < 0.11 answers through events (and envs_per_worker must be 1)",
+    )
 
 
 def check_torch(version: str) -> Check:

@@ -167,7 +167,7 @@ class _HeldStarts:
         self.hosts.stepped_as_one[group] = as_one
         own = type(configured)(
             dict(configured),
-            dataclasses.replace(config, host_step=as_one, host_slots=members),
+            dataclasses.replace(config, host_step=as_one),
             tuple(member for _, member, _ in held),
         )
         # A new dict: the recorded template (a copy of this process) keeps the slot's own.

@@ -74,10 +74,8 @@ class WorkerConfig:
     #: Why the main process runs TorchRL's step path by choice (``_step_path.switched_off``
     #: at the start); ``None``: this worker plans its steps where it can.
     step_path_off: str | None = None
-    #: The slots this worker's process hosts (``_hosts``; empty: its own slot only). Set by
-    #: the start on the config of the process it starts for a group.
-    host_slots: tuple[int, ...] = ()
-    #: The host's first slot answers a batched step of every slot of the host (``_hosts.HOST_STEP``).
+    #: This process hosts other slots too (``_hosts``), and its first slot answers a batched
+    #: step of every slot of it (``_hosts.HOST_STEP``). Set by the start, on the host's config only.
     host_step: bool = False
 
 
@@ -379,15 +377,16 @@ class _Member:
             recorder.plan.quiet_flags = raw_flags
         self.recorder = recorder
 
-    def run(self, original: Callable[..., Any]) -> bool:
-        """TorchRL's loop for this slot; True once it ended by a close or the parent's end."""
+    def run(self, original: Callable[..., Any]) -> None:
+        """TorchRL's loop for this slot, until a close or the parent's end; an env error is
+        reported (its slot's report file) and raised."""
         recorder, config = self.recorder, self.config
         try:
             original(**self.kwargs)
         except BaseException as exc:
             if recorder.saw_eof or recorder.last_command == "close":
                 # The parent closed the pipe (it is closing us, or it died): not an env error.
-                return True
+                return
             if isinstance(exc, SystemExit | KeyboardInterrupt):
                 raise
             error, command = exc, recorder.last_command
@@ -398,7 +397,6 @@ class _Member:
                 # multiprocessing's own print of it (at the same exit code, 1) would be a second.
                 raise SystemExit(1) from None
             raise
-        return True
 
 
 def run_managed(
@@ -439,6 +437,8 @@ class _Host:
 
     def __init__(self, original: Callable[..., Any], loops: int) -> None:
         self._original = original
+        #: One slot's process: its loop's error ends it as upstream's worker's does. Fixed.
+        self._single = loops == 1
         #: Loops still running; written under ``_lock`` by each loop's thread as it ends.
         self._running = loops
         self._lock = threading.Lock()
@@ -447,8 +447,8 @@ class _Host:
         try:
             member.run(self._original)
         except BaseException:
-            if self._running == 1 and threading.current_thread() is threading.main_thread():
-                raise  # a single worker: multiprocessing reports and exits, as upstream
+            if self._single:
+                raise  # multiprocessing reports it (unless it is our SystemExit) and exits
             if not isinstance(sys.exc_info()[1], SystemExit) and not member.config.owner_raises_errors:
                 traceback.print_exc()
             end_own_descendants()
