@@ -32,7 +32,6 @@ PENDING: dict[str, set[str]] = {}
 #: Inventory names that no code names, so the scan cannot see them used: what relies on each.
 UNNAMED: dict[str, str] = {
     "multiprocessing.popen_spawn_posix.Popen._launch": "spawn launches through spawnv_passfds (_tag)",
-    "multiprocessing.process.BaseProcess._args": "copy.copy keeps it (_cpython.copy_unstarted_process)",
     "multiprocessing.popen_fork.Popen.close": "called on a process's Popen (_cpython.release_exited_process)",
 }
 

@@ -183,6 +183,8 @@ INVENTORY: tuple[Internal, ...] = (
     _entry("multiprocessing.process:BaseProcess._name", _I, "renamed per restart"),
     _entry("multiprocessing.process:BaseProcess._target", _I, "tells TorchRL's worker processes apart"),
     _entry("multiprocessing.process:BaseProcess._args", _I, "kept by a restart copy (start() drops it)"),
+    _entry("multiprocessing.process:BaseProcess.start", _S, "what a hosted slot's process shares with "
+           "its host's (share_popen)", "", "_sentinel", "._sentinel"),
     _entry("multiprocessing.popen_fork:Popen.close", _C, "releases an exited worker's fds; its Process "
            "keeps answering is_alive()", "self"),
     _entry("multiprocessing.util:_exit_function", _C, "multiprocessing's finalizers before os._exit"),
@@ -271,14 +273,12 @@ def set_process_kwargs(process: Any, kwargs: dict[str, Any]) -> None:
 
 def share_popen(member: Any, host: Any) -> None:
     """Make the unstarted ``member`` answer as the started ``host`` (``_hosts``): its pid,
-    sentinel, ``is_alive()``, ``join()`` and ``exitcode`` are the host's, and it is a child of
-    this process as a started one is; its target and kwargs are dropped as ``start()`` drops
-    them."""
+    sentinel, ``is_alive()``, ``join()`` and ``exitcode`` are the host's; its target and kwargs
+    are dropped as ``start()`` drops them. Only the host is in ``active_children()``: one
+    process."""
     member._popen = host._popen
     member._sentinel = host._popen.sentinel
-    for name in ("_target", "_args", "_kwargs"):
-        member.__dict__.pop(name, None)
-    multiprocessing.process._children.add(member)  # type: ignore[attr-defined]
+    del member._target, member._args, member._kwargs  # as start() drops them
 
 
 def process_start_method(process: Any) -> str | None:

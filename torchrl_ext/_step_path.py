@@ -262,6 +262,11 @@ class WorkerPlan:
         self.ready = True
         self._ready_event.set()
 
+    def sleep_on_pipe(self) -> None:
+        """Never spin for the next command: a host's other slots (``_hosts``), whose steps
+        come through the first slot's pipe, would only take the core from it."""
+        self._spin = 0.0
+
     def wait_ready(self) -> None:
         """Until :meth:`init` ran (in this slot's own thread of a host, ``_hosts``)."""
         if not self.ready:

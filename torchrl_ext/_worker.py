@@ -422,6 +422,8 @@ def run_managed(
         if first.recorder.plan is None or any(p is None for p in plans):  # decided on the same kwargs
             raise RuntimeError("torchrl_ext: a host was told to step its slots as one, but they cannot plan")
         first.recorder.group = [m for m in members if m is not first]
+        for member in first.recorder.group:  # their steps come through the first slot's pipe
+            member.recorder.plan.sleep_on_pipe()  # type: ignore[union-attr]
     host = _Host(original, len(members))
     for member in members[1:]:
         threading.Thread(
