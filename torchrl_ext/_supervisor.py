@@ -402,12 +402,13 @@ class WorkerSupervisor:
         own = self._own_failure(worker)
         if own is not None:
             return own
-        for sibling in self._siblings(worker):
+        siblings = self._siblings(worker)
+        for sibling in siblings:
             found = self._own_failure(sibling)
             if found is not None:
                 return found
         detail = None
-        if self._siblings(worker):
+        if siblings:
             slots = ", ".join(str(i) for i in self.hosts.hosted(worker.index)) if self.hosts else ""
             detail = f"its process hosted slots {slots} (envs_per_worker), all lost with it"
         last_command = worker.channel.last_command
