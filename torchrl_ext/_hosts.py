@@ -22,7 +22,7 @@ waking processes and refilling caches; ``envs_per_worker=k`` groups the slots ``
     every slot's done flag, as before  <-------------
 
 **Who decides.** The main process, once per start: a group is *stepped as one* when every one of
-its slots' workers will plan its steps (``_step_path.worker_reason`` on the same kwargs the
+its slots' workers will plan its steps (``_step_path.kwargs_reason`` on the same kwargs the
 worker reads); the host's own config says so (``WorkerConfig.host_step``). A group whose workers
 cannot plan (TorchRL's path) keeps its slots in one process, each answering its own messages.
 
@@ -48,7 +48,7 @@ from typing import Any, Literal
 from . import _cpython
 from ._compat import WORKER_KWARGS
 from ._patch import ScopedPatch
-from ._step_path import worker_reason
+from ._step_path import kwargs_reason
 
 __all__ = ["HOST_STEP", "HOST_STEP_BYTES", "HOST_STEP_WIRE", "Hosts", "co_hosting"]
 
@@ -184,14 +184,7 @@ class _HeldStarts:
 def _plans(kwargs: dict[str, Any]) -> bool:
     """Whether the worker given ``kwargs`` plans its steps (what it decides, decided here)."""
     config = kwargs[WORKER_KWARGS["env_kwargs"]].worker_config
-    reason = worker_reason(
-        kwargs.get(WORKER_KWARGS["shared_buffer"]),
-        kwargs.get(WORKER_KWARGS["non_tensor_keys"]),
-        kwargs.get(WORKER_KWARGS["done_flags"]),
-        kwargs.get(WORKER_KWARGS["worker_index"]),
-        config.step_path_off,
-    )
-    return reason is None
+    return kwargs_reason(kwargs, config.step_path_off) is None
 
 
 @contextlib.contextmanager

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ._compat import COLLECTOR_EXCLUDES, STEP_MDP, Upstream
+from ._compat import COLLECTOR_EXCLUDES, STEP_MDP, WORKER_KWARGS, Upstream
 from ._done_signal import SpinRate
 
 __all__ = [
@@ -71,6 +71,7 @@ __all__ = [
     "ParentPlan",
     "StepPath",
     "WorkerPlan",
+    "kwargs_reason",
     "parent_reason",
     "switched_off",
     "unplannable",
@@ -175,6 +176,18 @@ def worker_reason(
     if non_tensor_keys:
         return "the specs have non-tensor entries (answered on the pipe)"
     return _unplannable_buffers(shared)
+
+
+def kwargs_reason(kwargs: dict[str, Any], switch: str | None = None) -> str | None:
+    """:func:`worker_reason` of the worker TorchRL gives ``kwargs``: what that worker decides at
+    its start, and what the main process decides for it from the same kwargs (``_hosts``)."""
+    return worker_reason(
+        kwargs.get(WORKER_KWARGS["shared_buffer"]),
+        kwargs.get(WORKER_KWARGS["non_tensor_keys"]),
+        kwargs.get(WORKER_KWARGS["done_flags"]),
+        kwargs.get(WORKER_KWARGS["worker_index"]),
+        switch,
+    )
 
 
 class _Copies:

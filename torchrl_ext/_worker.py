@@ -34,7 +34,7 @@ from ._channel import command_name
 from ._done_signal import NotifyingFlags
 from ._errors import DaemonicWorkerError
 from ._hosts import HOST_STEP_BYTES
-from ._step_path import STEP_BYTES, WorkerPlan, worker_reason
+from ._step_path import STEP_BYTES, WorkerPlan, kwargs_reason
 from ._wire import write_report
 
 __all__ = ["WorkerConfig", "exit_now", "prepare_process", "run_managed"]
@@ -318,15 +318,13 @@ def _plan_steps(recorder: _CommandRecorder, kwargs: dict[str, Any], config: Work
     """Give the recorder this worker's own step path where it can serve (``_step_path``)."""
     from ._compat import WORKER_KWARGS  # _compat imports this module
 
-    shared = kwargs.get(WORKER_KWARGS["shared_buffer"])
-    flags = kwargs.get(WORKER_KWARGS["done_flags"])
     index = kwargs.get(WORKER_KWARGS["worker_index"])
-    non_tensor = kwargs.get(WORKER_KWARGS["non_tensor_keys"])
-    reason = worker_reason(shared, non_tensor, flags, index, config.step_path_off)
+    reason = kwargs_reason(kwargs, config.step_path_off)
     if reason is not None or index is None:
         log.debug("worker %s steps through TorchRL's loop: %s", index, reason)
         return
     env = recorder.kept_env
+    shared, flags = kwargs[WORKER_KWARGS["shared_buffer"]], kwargs[WORKER_KWARGS["done_flags"]]
     reset_keys = kwargs.get(WORKER_KWARGS["reset_keys"])
     recorder.plan = WorkerPlan(env, shared, reset_keys, flags, int(index), config.command_spin)
 
